@@ -1,0 +1,110 @@
+"""Triton kernel: d(loss)/d(raw logits) for one chunk, in fp32, stored in the matmul dtype.
+
+With z the loss-space logits of row i (see ``row_stats``), lse_i its log-sum-exp over the whole
+(possibly vocab-parallel) vocabulary of size V, p_ij = exp(z_ij - lse_i), eps the label smoothing,
+zl the z-loss coefficient and t_i the row's target column (-1: not in this shard)::
+
+    loss_i = (1 - eps) * (lse_i - z_i,t) + eps * (lse_i - mean_j z_ij) + zl * lse_i**2
+
+    dloss_i / dz_ij = p_ij * (1 + 2 * zl * lse_i) - eps / V - (1 - eps) * [j == t_i]
+
+and the chain rule back to the raw matmul output x_ij (z = c * tanh(s * x / c) with softcap c, scale s)::
+
+    dz_ij / dx_ij = s * (1 - (z_ij / c)**2)        (just s without softcap)
+
+Each element is finally multiplied by the row's gradient scale (1/num_items for "mean", times the
+GradScaler scale; or the per-token grad_output for reduction="none"). The output may alias the input
+(in-place: each element is read, then written, by the same program), which is how the chunk loop
+reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row offsets are int64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .softcap import tanh
+
+
+@triton.jit
+def _grad_logits_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    lse_ptr,
+    row_scale_ptr,
+    n_cols,
+    grad_scale,
+    logit_scale,
+    softcap,
+    smoothing_per_class,
+    target_weight,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    PER_ROW_SCALE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+
+    z = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    if HAS_SOFTCAP:
+        capped = tanh(z / softcap)
+        z = softcap * capped
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(target_ptr + row)
+
+    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+    grad = tl.where(cols == target, grad - target_weight, grad)
+    scale = grad_scale * logit_scale
+    if PER_ROW_SCALE:
+        scale = scale * tl.load(row_scale_ptr + row)
+    grad = grad * scale
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
+    tl.store(grad_ptr + row * grad_row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def grad_logits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    grad_scale: float,
+    row_scale: torch.Tensor | None,
+    logit_scale: float,
+    softcap: float | None,
+    label_smoothing: float,
+    vocab_size: int,
+    z_loss: float,
+) -> None:
+    """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself)."""
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    assert logits.stride(1) == 1 and out.stride(1) == 1
+    block_v = min(triton.next_power_of_2(n_cols), 2048)
+    _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
+        logits,
+        logits.stride(0),
+        out,
+        out.stride(0),
+        target,
+        lse,
+        row_scale if row_scale is not None else lse,
+        n_cols,
+        float(grad_scale),
+        float(logit_scale),
+        float(softcap or 1.0),
+        float(label_smoothing) / vocab_size,
+        1.0 - float(label_smoothing),
+        float(z_loss),
+        HAS_SOFTCAP=softcap is not None,
+        PER_ROW_SCALE=row_scale is not None,
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )

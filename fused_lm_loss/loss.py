@@ -1,0 +1,198 @@
+"""Public API: ``FusedLMLoss`` (the nn.Module) and ``fused_linear_cross_entropy`` (the function)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .chunked import FusedLinearCrossEntropyFunction
+from .options import MATMUL_DTYPES, LossOptions
+
+
+def fused_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LossOptions,
+    *,
+    num_items_in_batch: Any = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Validate the tensors, apply autocast, resolve the gradient scale, run the autograd Function."""
+    _check_tensors(hidden, weight, labels, bias)
+    if opts.reduction != "mean" and num_items_in_batch is not None:
+        raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {opts.reduction!r}")
+    hidden, weight, bias = _matmul_inputs(hidden, weight, bias)
+    return FusedLinearCrossEntropyFunction.apply(
+        hidden, weight, bias, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch
+    )
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: Any = None,
+    scaling: float | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """Functional form of :class:`FusedLMLoss`; ``options`` are its constructor arguments.
+
+    Example::
+
+        loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels, label_smoothing=0.1)
+    """
+    return fused_lm_loss(
+        hidden, weight, labels, bias, LossOptions(**options), num_items_in_batch=num_items_in_batch, scaling=scaling
+    )
+
+
+class FusedLMLoss(nn.Module):
+    """Language-model loss = cross-entropy(hidden @ weight.T + bias, labels), never materializing the logits.
+
+    Per token (ignored tokens contribute 0)::
+
+        z    = logit_scale * (h @ W.T + b), then softcap * tanh(z / softcap) if softcap is set
+        loss = (1 - label_smoothing) * (lse(z) - z[y]) + label_smoothing * (lse(z) - mean(z)) + z_loss * lse(z)**2
+
+    Args:
+        ignore_index: label value that carries no loss (-100, as in Hugging Face).
+        reduction: "mean" (sum / num_items_in_batch, or / non-ignored count), "sum", or "none" (per token, fp32).
+        label_smoothing: in [0, 1], as ``torch.nn.functional.cross_entropy`` defines it.
+        z_loss: coefficient of lse**2 added per token (PaLM z-loss).
+        softcap: final logit softcapping (Gemma 2/3), or None.
+        logit_scale: multiplies the logits before softcap (Cohere ``logit_scale``, Granite ``1 / logits_scaling``).
+        chunk_size: token rows per chunk; None picks it so the logits chunk stays within ~256 MiB.
+        accum_dtype: dtype of the lm_head weight-gradient accumulator; None = the weight's dtype.
+        logits_dtype: None (logits in the matmul dtype) or torch.float32 (bf16/fp16 inputs, fp32 logits:
+            more exact gradients, one extra buffer).
+        grad_scaler: a ``torch.amp.GradScaler`` (or anything with ``get_scale()``); its scale is read once
+            per call and applied to the gradients before they are stored in fp16/bf16.
+        process_group, vocab_start, vocab_size, reduce_grad_input: vocab parallelism, see
+            ``fused_lm_loss.distributed``.
+
+    Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None)`` with
+    hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
+    Gradients are computed during forward; backward only rescales them.
+
+    Example::
+
+        loss_fn = FusedLMLoss(label_smoothing=0.1)
+        hidden = model.model(input_ids).last_hidden_state[:, :-1]
+        loss = loss_fn(hidden, model.lm_head.weight, input_ids[:, 1:])
+        loss.backward()
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        logit_scale: float = 1.0,
+        chunk_size: int | None = None,
+        accum_dtype: torch.dtype | None = torch.float32,
+        grad_scaler: Any = None,
+        logits_dtype: torch.dtype | None = None,
+        process_group: Any = None,
+        vocab_start: int | None = None,
+        vocab_size: int | None = None,
+        reduce_grad_input: bool = True,
+    ) -> None:
+        super().__init__()
+        self.options = LossOptions(
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            chunk_size=chunk_size,
+            accum_dtype=accum_dtype,
+            logits_dtype=logits_dtype,
+            grad_scaler=grad_scaler,
+            process_group=process_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            reduce_grad_input=reduce_grad_input,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: Any = None,
+        scaling: float | None = None,
+    ) -> torch.Tensor:
+        return fused_lm_loss(
+            hidden, weight, labels, bias, self.options, num_items_in_batch=num_items_in_batch, scaling=scaling
+        )
+
+    def extra_repr(self) -> str:
+        defaults = LossOptions()
+        changed = [
+            f"{f.name}={getattr(self.options, f.name)!r}"
+            for f in dataclasses.fields(LossOptions)
+            if getattr(self.options, f.name) != getattr(defaults, f.name)
+        ]
+        return ", ".join(changed)
+
+
+def _check_tensors(hidden, weight, labels, bias) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
+        raise ValueError(
+            f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
+        )
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"expected hidden (..., H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden size mismatch: hidden (..., {hidden.shape[-1]}) vs weight {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight has no vocabulary rows")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.dtype != weight.dtype:
+            raise ValueError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
+    devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"hidden, weight, labels and bias must be on one device, got {sorted(map(str, devices))}")
+
+
+def _matmul_inputs(hidden, weight, bias):
+    """Under autocast, cast to its dtype as nn.Linear would; otherwise hidden and weight must agree."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ; cast one, or run under torch.autocast"
+        )
+    return hidden, weight, bias
+
+
+def _resolve_scaling(opts: LossOptions, scaling: float | None) -> float:
+    if scaling is None:
+        scaling = 1.0 if opts.grad_scaler is None else opts.grad_scaler.get_scale()
+    scaling = float(scaling)
+    if not math.isfinite(scaling) or scaling < 0:
+        raise ValueError(f"scaling must be a finite number >= 0, got {scaling}")
+    return scaling

@@ -1,0 +1,61 @@
+"""The pure-PyTorch twins of the Triton kernels (same signatures, same fp32 math).
+
+Used for CPU tensors, where no Triton kernel runs (unless tests force the interpreter). The chunk loop
+in ``chunked.py`` is the same for both paths; only these two per-chunk steps differ. See the kernel
+files in ``kernels/`` for the math.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _loss_space(logits: torch.Tensor, logit_scale: float, softcap: float | None):
+    """fp32 loss-space logits z and, with softcap, tanh(.) for the chain rule."""
+    z = logits.float() * logit_scale
+    if softcap is None:
+        return z, None
+    capped = torch.tanh(z / softcap)
+    return capped * softcap, capped
+
+
+def row_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+    need_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    z, _ = _loss_space(logits, logit_scale, softcap)
+    row_max = z.amax(dim=1)
+    row_sumexp = torch.exp(z - row_max[:, None]).sum(dim=1)
+    has_target = target >= 0
+    target_logit = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
+    target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))
+    logit_sum = z.sum(dim=1) if need_sum else torch.zeros_like(row_max)
+    return row_max, row_sumexp, target_logit, logit_sum
+
+
+def grad_logits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    grad_scale: float,
+    row_scale: torch.Tensor | None,
+    logit_scale: float,
+    softcap: float | None,
+    label_smoothing: float,
+    vocab_size: int,
+    z_loss: float,
+) -> None:
+    z, capped = _loss_space(logits, logit_scale, softcap)
+    grad = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab_size
+    rows = torch.nonzero(target >= 0).squeeze(1)
+    grad[rows, target[rows]] -= 1.0 - label_smoothing
+    scale = torch.full_like(lse, grad_scale * logit_scale) if row_scale is None else row_scale * (grad_scale * logit_scale)
+    grad *= scale[:, None]
+    if capped is not None:
+        grad *= 1.0 - capped * capped
+    out.copy_(grad)
