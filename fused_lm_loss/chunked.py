@@ -96,12 +96,24 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
 
 
 @dataclass
+class GradNeeds:
+    """Which gradients to produce: the autograd inputs' requires_grad, nothing else."""
+
+    hidden: bool = False
+    weight: bool = False
+    bias: bool = False
+    low_rank_input: bool = False
+    low_rank_weight: bool = False
+
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias or self.low_rank_input or self.low_rank_weight
+
+
+@dataclass
 class ChunkOutputs:
     loss: torch.Tensor | None  # (rows.count,) fp32 per-token loss
     lse: torch.Tensor | None  # (rows.count,) fp32 log-sum-exp over the whole vocabulary
-    grad_hidden: torch.Tensor | None
-    grad_weight: torch.Tensor | None
-    grad_bias: torch.Tensor | None
+    grads: tuple  # (hidden, weight, bias, low_rank_input, low_rank_weight), None where not needed
 
 
 def _logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -144,47 +156,42 @@ def run_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None,
     rows: Rows,
     opts: LossOptions,
     shard: distributed.Shard,
     *,
+    needs: GradNeeds = GradNeeds(),
     lse: torch.Tensor | None = None,
     grad_scale: float = 1.0,
     row_scale: torch.Tensor | None = None,
-    need_grad_hidden: bool = False,
-    need_grad_weight: bool = False,
-    need_grad_bias: bool = False,
 ) -> ChunkOutputs:
     """The chunk loop shared by every path (Triton or PyTorch kernels, forward or recompute).
 
-    ``hidden`` is (N, H); the loop visits only ``rows``. With ``lse`` given (recompute in backward)
-    the stats pass is skipped. Gradient rows are scaled by ``grad_scale`` (times ``row_scale[i]``).
+    ``hidden`` is (N, H); the loop visits only ``rows``. ``low_rank = (u, B)`` adds u @ B.T to the
+    logits (a LoRA adapter on lm_head). With ``lse`` given (recompute in backward) the stats pass is
+    skipped. Gradient rows are scaled by ``grad_scale`` (times ``row_scale[i]``).
     """
     ops = _kernels_for(hidden.device)
     device, mm_dtype = hidden.device, hidden.dtype
     n_rows, vocab = rows.count, weight.shape[0]
-    chunk_vocab = shard.chunk_vocab
-    need_grads = need_grad_hidden or need_grad_weight or need_grad_bias
     compute_stats = lse is None
 
     logits_dtype = opts.logits_dtype or mm_dtype
-    separate_grad = need_grads and logits_dtype != mm_dtype
-    bytes_per_row = chunk_vocab * (logits_dtype.itemsize + (mm_dtype.itemsize if separate_grad else 0))
+    separate_grad = needs.any() and logits_dtype != mm_dtype
+    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (mm_dtype.itemsize if separate_grad else 0))
     chunk_rows = max(1, min(opts.chunk_size or auto_chunk_rows(bytes_per_row), n_rows))
     logits_buf = torch.empty((chunk_rows, vocab), dtype=logits_dtype, device=device)
     grad_buf = torch.empty((chunk_rows, vocab), dtype=mm_dtype, device=device) if separate_grad else logits_buf
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
-    grad_hidden = grad_weight = grad_bias = None
-    if need_grad_hidden:
-        alloc = torch.empty if rows.index is None else torch.zeros
-        grad_hidden = alloc(hidden.shape, dtype=mm_dtype, device=device)
-    if need_grad_weight:
-        accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=accum_dtype, device=device) if n_rows == 0 else None
-    if need_grad_bias:
-        grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
+    grad_hidden = _row_grad_buffer(hidden, rows) if needs.hidden else None
+    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows) if needs.low_rank_input else None
+    grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
+    grad_low_rank_weight = _Accumulator(low_rank[1].shape, accum_dtype, device) if needs.low_rank_weight else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
 
     smoothing = opts.label_smoothing
     for start in range(0, n_rows, chunk_rows):
@@ -193,6 +200,9 @@ def run_chunks(
         target = rows.target[start:end]
         logits = logits_buf[: end - start]
         _logits_into(logits, h, weight, bias)
+        if low_rank is not None:
+            u = rows.gather(low_rank[0], start, end)
+            _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
 
         if compute_stats:
             stats = ops.row_stats(
@@ -207,7 +217,7 @@ def run_chunks(
                 chunk_loss += opts.z_loss * chunk_lse * chunk_lse
             loss_rows[start:end] = chunk_loss
             lse_rows[start:end] = chunk_lse
-        if not need_grads:
+        if not needs.any():
             continue
 
         grad = grad_buf[: end - start]
@@ -224,54 +234,89 @@ def run_chunks(
             vocab_size=shard.total,
             z_loss=opts.z_loss,
         )
-        if need_grad_hidden:
-            if rows.index is None:
-                torch.mm(grad, weight, out=grad_hidden[start:end])
-            else:
-                grad_hidden.index_copy_(0, rows.index[start:end], torch.mm(grad, weight))
-        if need_grad_weight:
-            if grad_weight is None:
-                grad_weight = torch.empty(weight.shape, dtype=accum_dtype, device=device)
-                _matmul_accumulate(grad_weight, grad.t(), h, first=True)
-            else:
-                _matmul_accumulate(grad_weight, grad.t(), h, first=False)
-        if need_grad_bias:
+        if grad_hidden is not None:
+            _store_rows(grad_hidden, rows, start, end, grad, weight)
+        if grad_low_rank_input is not None:
+            _store_rows(grad_low_rank_input, rows, start, end, grad, low_rank[1])
+        if grad_weight is not None:
+            grad_weight.add(grad.t(), h)
+        if grad_low_rank_weight is not None:
+            grad_low_rank_weight.add(grad.t(), u)
+        if grad_bias is not None:
             grad_bias += grad.sum(dim=0, dtype=torch.float32)
 
-    if grad_hidden is not None and opts.reduce_grad_input:
-        shard.sum_partial_grad(grad_hidden)
-    return ChunkOutputs(
-        loss=loss_rows,
-        lse=lse_rows,
-        grad_hidden=grad_hidden,
-        grad_weight=None if grad_weight is None else grad_weight.to(weight.dtype),
-        grad_bias=None if grad_bias is None else grad_bias.to(bias.dtype),
+    if opts.reduce_grad_input:
+        for partial in (grad_hidden, grad_low_rank_input):
+            if partial is not None:
+                shard.sum_partial_grad(partial)
+    grads = (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.result(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+        grad_low_rank_input,
+        None if grad_low_rank_weight is None else grad_low_rank_weight.result(low_rank[1].dtype),
     )
+    return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
+
+
+def _row_grad_buffer(like: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Gradient of a per-token input: rows that carry no loss stay zero."""
+    alloc = torch.empty if rows.index is None else torch.zeros
+    return alloc(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _store_rows(out: torch.Tensor, rows: Rows, start: int, end: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
+    """out[chunk rows] = G @ weight."""
+    if rows.index is None:
+        torch.mm(grad, weight, out=out[start:end])
+    else:
+        out.index_copy_(0, rows.index[start:end], torch.mm(grad, weight))
+
+
+class _Accumulator:
+    """A weight gradient summed over chunks in ``dtype``; the first chunk writes instead of adding."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.total: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        first = self.total is None
+        if first:
+            self.total = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        _matmul_accumulate(self.total, a, b, first=first)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.total is None:  # no token carried a loss
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        return self.total.to(dtype)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """loss = CE(softcap(logit_scale * (hidden @ W.T + b)), labels) (+ z-loss), chunked.
+    """loss = CE(softcap(logit_scale * (hidden @ W.T + b + u @ B.T)), labels) (+ z-loss), chunked.
 
     Inputs are already validated (see ``loss.fused_lm_loss``): hidden (..., H), weight (V, H) of the
-    same dtype, labels shaped like hidden.shape[:-1].
+    same dtype, labels shaped like hidden.shape[:-1]; the low-rank pair (u (..., r), B (V, r)) is optional.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, opts: LossOptions, scaling: float, num_items):
+    def forward(ctx, hidden, weight, bias, low_rank_input, low_rank_weight, labels, opts, scaling, num_items):
         hidden2d = hidden.reshape(-1, hidden.shape[-1])
+        low_rank = None
+        if low_rank_input is not None:
+            low_rank = (low_rank_input.reshape(-1, low_rank_input.shape[-1]), low_rank_weight)
         shard = distributed.Shard.of(weight, opts)
         rows = select_rows(labels.reshape(-1), opts.ignore_index, shard)
-        need_grad_hidden, need_grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_grad_bias = bias is not None and ctx.needs_input_grad[2]
-        need_grads = need_grad_hidden or need_grad_weight or need_grad_bias
-        ctx.hidden_shape, ctx.opts, ctx.shard, ctx.rows = hidden.shape, opts, shard, rows
+        needs = GradNeeds(*ctx.needs_input_grad[:5])
+        ctx.shapes = (hidden.shape, None if low_rank_input is None else low_rank_input.shape)
+        ctx.opts, ctx.shard, ctx.rows, ctx.needs = opts, shard, rows, needs
 
         if opts.reduction == "none":
             # Per-token grad_output is unknown until backward: keep lse, recompute the rest then.
-            out = run_chunks(hidden2d, weight, bias, rows, opts, shard)
-            if need_grads:
+            out = run_chunks(hidden2d, weight, bias, low_rank, rows, opts, shard)
+            if needs.any():
                 ctx.lse = out.lse
-                ctx.save_for_backward(hidden2d, weight, bias)
+                ctx.save_for_backward(hidden2d, weight, bias, *(low_rank or (None, None)))
             per_token = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
             if rows.index is None:
                 per_token.copy_(out.loss)
@@ -282,38 +327,33 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         denominator = 1.0
         if opts.reduction == "mean":
             denominator = float(rows.count if num_items is None else num_items)
-            if denominator <= 0 and (rows.count > 0 or denominator < 0):
+            if denominator < 0 or (denominator == 0 and rows.count > 0):
                 raise ValueError(f"num_items_in_batch must be > 0 when tokens carry a loss, got {num_items}")
-            denominator = max(denominator, 1.0) if rows.count == 0 else denominator
+            denominator = max(denominator, 1.0)
         out = run_chunks(
-            hidden2d,
-            weight,
-            bias,
-            rows,
-            opts,
-            shard,
-            grad_scale=scaling / denominator,
-            need_grad_hidden=need_grad_hidden,
-            need_grad_weight=need_grad_weight,
-            need_grad_bias=need_grad_bias,
+            hidden2d, weight, bias, low_rank, rows, opts, shard, needs=needs, grad_scale=scaling / denominator
         )
         ctx.scaling = scaling
-        ctx.grads = (out.grad_hidden, out.grad_weight, out.grad_bias)
+        ctx.grads = out.grads
         return out.loss.sum() / denominator
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         if ctx.opts.reduction == "none":
-            grad_hidden, grad_weight, grad_bias = _recompute_grads(ctx, grad_output)
+            grads = _recompute_grads(ctx, grad_output)
         else:
-            grad_hidden, grad_weight, grad_bias = _rescale_grads(ctx, grad_output)
+            grads = _rescale_grads(ctx, grad_output)
+        grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight = grads
+        hidden_shape, low_rank_shape = ctx.shapes
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(ctx.hidden_shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            grad_hidden = grad_hidden.view(hidden_shape)
+        if grad_low_rank_input is not None:
+            grad_low_rank_input = grad_low_rank_input.view(low_rank_shape)
+        return grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight, None, None, None, None
 
 
-def _rescale_grads(ctx, grad_output: torch.Tensor):
+def _rescale_grads(ctx, grad_output: torch.Tensor) -> tuple:
     """Apply grad_output / scaling to the gradients made in forward, never in place (retain_graph)."""
     go = float(grad_output)
     if ctx.scaling == 0.0:
@@ -329,23 +369,14 @@ def _rescale_grads(ctx, grad_output: torch.Tensor):
     return tuple(None if g is None else g * factor for g in ctx.grads)
 
 
-def _recompute_grads(ctx, grad_output: torch.Tensor):
+def _recompute_grads(ctx, grad_output: torch.Tensor) -> tuple:
     """reduction="none": rerun the chunk loop with the per-token grad_output as each row's scale."""
-    hidden2d, weight, bias = ctx.saved_tensors
+    hidden2d, weight, bias, low_rank_input, low_rank_weight = ctx.saved_tensors
+    low_rank = None if low_rank_input is None else (low_rank_input, low_rank_weight)
     rows = ctx.rows
     per_token = grad_output.reshape(-1)
     row_scale = (per_token if rows.index is None else per_token[rows.index]).float().contiguous()
     out = run_chunks(
-        hidden2d,
-        weight,
-        bias,
-        rows,
-        ctx.opts,
-        ctx.shard,
-        lse=ctx.lse,
-        row_scale=row_scale,
-        need_grad_hidden=ctx.needs_input_grad[0],
-        need_grad_weight=ctx.needs_input_grad[1],
-        need_grad_bias=bias is not None and ctx.needs_input_grad[2],
+        hidden2d, weight, bias, low_rank, rows, ctx.opts, ctx.shard, needs=ctx.needs, lse=ctx.lse, row_scale=row_scale
     )
-    return out.grad_hidden, out.grad_weight, out.grad_bias
+    return out.grads

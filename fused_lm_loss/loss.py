@@ -21,14 +21,17 @@ def fused_lm_loss(
     *,
     num_items_in_batch: Any = None,
     scaling: float | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Validate the tensors, apply autocast, resolve the gradient scale, run the autograd Function."""
     _check_tensors(hidden, weight, labels, bias)
+    if low_rank is not None:
+        _check_low_rank(low_rank, hidden, weight)
     if opts.reduction != "mean" and num_items_in_batch is not None:
         raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {opts.reduction!r}")
-    hidden, weight, bias = _matmul_inputs(hidden, weight, bias)
+    tensors = _matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, bias, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch
+        *tensors, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch
     )
 
 
@@ -40,6 +43,7 @@ def fused_linear_cross_entropy(
     *,
     num_items_in_batch: Any = None,
     scaling: float | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: Any,
 ) -> torch.Tensor:
     """Functional form of :class:`FusedLMLoss`; ``options`` are its constructor arguments.
@@ -49,7 +53,14 @@ def fused_linear_cross_entropy(
         loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels, label_smoothing=0.1)
     """
     return fused_lm_loss(
-        hidden, weight, labels, bias, LossOptions(**options), num_items_in_batch=num_items_in_batch, scaling=scaling
+        hidden,
+        weight,
+        labels,
+        bias,
+        LossOptions(**options),
+        num_items_in_batch=num_items_in_batch,
+        scaling=scaling,
+        low_rank=low_rank,
     )
 
 
@@ -77,8 +88,10 @@ class FusedLMLoss(nn.Module):
         process_group, vocab_start, vocab_size, reduce_grad_input: vocab parallelism, see
             ``fused_lm_loss.distributed``.
 
-    Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None)`` with
-    hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
+    Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None, low_rank=None)``
+    with hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
+    ``scaling`` overrides the grad_scaler's scale for this call. ``low_rank=(u, B)`` with u (..., r) and
+    B (V, r) adds u @ B.T to the logits: a LoRA adapter on lm_head (u = s * dropout(h) @ A.T, B = lora_B).
     Gradients are computed during forward; backward only rescales them.
 
     Example::
@@ -133,9 +146,17 @@ class FusedLMLoss(nn.Module):
         *,
         num_items_in_batch: Any = None,
         scaling: float | None = None,
+        low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         return fused_lm_loss(
-            hidden, weight, labels, bias, self.options, num_items_in_batch=num_items_in_batch, scaling=scaling
+            hidden,
+            weight,
+            labels,
+            bias,
+            self.options,
+            num_items_in_batch=num_items_in_batch,
+            scaling=scaling,
+            low_rank=low_rank,
         )
 
     def extra_repr(self) -> str:
@@ -176,17 +197,33 @@ def _check_tensors(hidden, weight, labels, bias) -> None:
         raise ValueError(f"hidden, weight, labels and bias must be on one device, got {sorted(map(str, devices))}")
 
 
-def _matmul_inputs(hidden, weight, bias):
-    """Under autocast, cast to its dtype as nn.Linear would; otherwise hidden and weight must agree."""
+def _check_low_rank(low_rank, hidden, weight) -> None:
+    if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
+        raise ValueError("low_rank must be a pair (u, B): u (..., r) per token, B (V, r)")
+    u, b = low_rank
+    if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
+        raise ValueError(
+            f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "
+            f"got {tuple(u.shape)} and {tuple(b.shape)}"
+        )
+    if u.device != hidden.device or b.device != hidden.device:
+        raise ValueError("low_rank tensors must be on the device of hidden")
+
+
+def _matmul_inputs(hidden, weight, bias, low_rank_input, low_rank_weight):
+    """Under autocast, cast to its dtype as nn.Linear would; otherwise all matmul operands must agree."""
+    tensors = (hidden, weight, bias, low_rank_input, low_rank_weight)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    if hidden.dtype != weight.dtype:
+        return tuple(None if t is None else t.to(dtype) for t in tensors)
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
         raise ValueError(
-            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ; cast one, or run under torch.autocast"
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and the other operands must share one dtype, got "
+            f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast"
         )
-    return hidden, weight, bias
+    return tensors
 
 
 def _resolve_scaling(opts: LossOptions, scaling: float | None) -> float:
