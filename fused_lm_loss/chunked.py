@@ -300,14 +300,17 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, low_rank_input, low_rank_weight, labels, opts, scaling, num_items):
+    def forward(
+        ctx, hidden, weight, bias, low_rank_input, low_rank_weight, labels, opts, scaling, num_items, grad_enabled
+    ):
         hidden2d = hidden.reshape(-1, hidden.shape[-1])
         low_rank = None
         if low_rank_input is not None:
             low_rank = (low_rank_input.reshape(-1, low_rank_input.shape[-1]), low_rank_weight)
         shard = distributed.Shard.of(weight, opts)
         rows = select_rows(labels.reshape(-1), opts.ignore_index, shard)
-        needs = GradNeeds(*ctx.needs_input_grad[:5])
+        # Inside forward grad mode is always off; whether the caller's was on is passed in.
+        needs = GradNeeds(*ctx.needs_input_grad[:5]) if grad_enabled else GradNeeds()
         ctx.shapes = (hidden.shape, None if low_rank_input is None else low_rank_input.shape)
         ctx.opts, ctx.shard, ctx.rows, ctx.needs = opts, shard, rows, needs
 
@@ -334,7 +337,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden2d, weight, bias, low_rank, rows, opts, shard, needs=needs, grad_scale=scaling / denominator
         )
         ctx.scaling = scaling
-        ctx.grads = out.grads
+        # Saved through autograd (not as plain attributes), already in the inputs' shapes, so the engine sees
+        # our reference to the very tensors it receives: it then never steals them for param.grad and
+        # accumulates into them in place (retain_graph stays right).
+        ctx.save_for_backward(*_input_shaped(out.grads, ctx.shapes))
         return out.loss.sum() / denominator
 
     @staticmethod
@@ -344,29 +350,35 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grads = _recompute_grads(ctx, grad_output)
         else:
             grads = _rescale_grads(ctx, grad_output)
-        grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight = grads
-        hidden_shape, low_rank_shape = ctx.shapes
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden_shape)
-        if grad_low_rank_input is not None:
-            grad_low_rank_input = grad_low_rank_input.view(low_rank_shape)
-        return grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight, None, None, None, None
+        return (*grads, None, None, None, None, None)
+
+
+def _input_shaped(grads: tuple, shapes: tuple) -> tuple:
+    """Per-token gradients come out of the chunk loop as (N, .): view them in their input's shape."""
+    grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight = grads
+    hidden_shape, low_rank_shape = shapes
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.view(hidden_shape)
+    if grad_low_rank_input is not None:
+        grad_low_rank_input = grad_low_rank_input.view(low_rank_shape)
+    return grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight
 
 
 def _rescale_grads(ctx, grad_output: torch.Tensor) -> tuple:
     """Apply grad_output / scaling to the gradients made in forward, never in place (retain_graph)."""
     go = float(grad_output)
+    grads = ctx.saved_tensors
     if ctx.scaling == 0.0:
         if go != 0.0:
             raise RuntimeError(
                 "the fused loss was computed with scaling=0 (a GradScaler scale of 0?): its gradients are all "
                 f"zero and cannot be rescaled to grad_output={go}. Use a non-zero scale."
             )
-        return tuple(None if g is None else torch.zeros_like(g) for g in ctx.grads)
+        return tuple(None if g is None else torch.zeros_like(g) for g in grads)
     factor = go / ctx.scaling
     if factor == 1.0:
-        return ctx.grads
-    return tuple(None if g is None else g * factor for g in ctx.grads)
+        return grads
+    return tuple(None if g is None else g * factor for g in grads)
 
 
 def _recompute_grads(ctx, grad_output: torch.Tensor) -> tuple:
@@ -379,4 +391,4 @@ def _recompute_grads(ctx, grad_output: torch.Tensor) -> tuple:
     out = run_chunks(
         hidden2d, weight, bias, low_rank, rows, ctx.opts, ctx.shard, needs=ctx.needs, lse=ctx.lse, row_scale=row_scale
     )
-    return out.grads
+    return _input_shaped(out.grads, ctx.shapes)

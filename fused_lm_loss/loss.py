@@ -31,7 +31,7 @@ def fused_lm_loss(
         raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {opts.reduction!r}")
     tensors = _matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
     return FusedLinearCrossEntropyFunction.apply(
-        *tensors, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch
+        *tensors, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch, torch.is_grad_enabled()
     )
 
 

@@ -1,0 +1,153 @@
+"""The autograd Function's contract: GradScaler semantics, retain_graph, no-grad forward, skipped work."""
+import pytest
+import torch
+
+import fused_lm_loss.chunked as chunked
+from fused_lm_loss import FusedLMLoss
+
+from .reference import make_inputs, reference_loss, rel_err
+
+
+def _inputs(n=40, h=16, v=90):
+    hidden, weight, labels, bias = make_inputs(n, h, v, bias=True)
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    return hidden, weight, labels, bias
+
+
+def test_factor_one_returns_saved_gradients_as_they_are(backend):
+    """scaling=S and grad_output=S: factor 1.0, the tensors made in forward reach autograd uncopied."""
+    hidden, weight, labels, bias = _inputs()
+    seen = {}
+    hidden.register_hook(lambda g: seen.setdefault("hidden", g))
+    loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias, scaling=1024.0)
+    saved_hidden, saved_weight, saved_bias = loss.grad_fn.saved_tensors[:3]
+    (loss * 1024.0).backward()
+    assert seen["hidden"].data_ptr() == saved_hidden.data_ptr()
+    expected, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(loss, expected) <= 2e-4  # the loss itself is never scaled
+    for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        assert rel_err(t.grad, 1024.0 * grads[name]) <= 2e-4, name
+
+
+def test_grad_scaler_scale_is_used(backend):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    hidden, weight, labels, bias = _inputs()
+    loss = FusedLMLoss(grad_scaler=scaler, chunk_size=16)(hidden, weight, labels, bias)
+    assert loss.grad_fn.scaling == 2.0**12
+    scaler.scale(loss).backward()
+    _, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(weight.grad, 2.0**12 * grads["weight"]) <= 2e-4
+    assert rel_err(hidden.grad, 2.0**12 * grads["hidden"]) <= 2e-4
+
+
+@pytest.mark.parametrize("k", [1.0, 4.0])
+def test_retain_graph_twice_accumulates_twice_and_never_bumps_saved(backend, k):
+    """grad_output = S / k: factor 1 / k, applied out of place, so two backwards give twice the gradient."""
+    hidden, weight, labels, bias = _inputs()
+    loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias, scaling=8.0)
+    saved = loss.grad_fn.saved_tensors[:3]
+    copies = [g.clone() for g in saved]
+    (loss * (8.0 / k)).backward(retain_graph=True)
+    (loss * (8.0 / k)).backward(retain_graph=True)
+    for before, after in zip(copies, saved):
+        assert torch.equal(before, after)
+    _, grads = reference_loss(hidden, weight, labels, bias)
+    for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        assert rel_err(t.grad, 2 * (8.0 / k) * grads[name]) <= 2e-4, name
+
+
+def test_scale_zero(backend):
+    hidden, weight, labels, bias = _inputs()
+    loss = FusedLMLoss()(hidden, weight, labels, bias, scaling=0.0)
+    with pytest.raises(RuntimeError, match="scaling=0"):
+        loss.backward(retain_graph=True)
+    (loss * 0.0).backward()
+    for t in (hidden, weight, bias):
+        assert torch.all(t.grad == 0)
+
+
+def test_fp16_gradients_do_not_underflow_with_scaling():
+    """Mean over many tokens: p / N underflows fp16; the scale is applied in fp32 before rounding."""
+    hidden, weight, labels, _ = make_inputs(2048, 32, 400, dtype=torch.float16, logit_std=6.0, ignore_frac=0.0)
+    weight.requires_grad_(True)
+    _, grads = reference_loss(hidden, weight, labels)
+    errors = {}
+    for scale in (1.0, 2.0**16):
+        weight.grad = None
+        loss = FusedLMLoss(chunk_size=512, accum_dtype=None)(hidden, weight, labels, scaling=scale)
+        (loss * scale).backward()
+        errors[scale] = rel_err(weight.grad.float() / scale, grads["weight"])
+    assert errors[2.0**16] < 5e-3
+    assert errors[2.0**16] < errors[1.0]
+
+
+def _forbid(monkeypatch, module, name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} must not run")
+
+    monkeypatch.setattr(module, name, fail)
+
+
+def test_no_grad_forward_does_no_gradient_work(monkeypatch):
+    hidden, weight, labels, bias = _inputs()
+    _forbid(monkeypatch, chunked.torch_path, "grad_logits")
+    with torch.no_grad():
+        loss = FusedLMLoss()(hidden, weight, labels, bias)
+    frozen = FusedLMLoss()(hidden.detach(), weight.detach(), labels, bias.detach())
+    expected, _ = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(loss, expected) <= 2e-4 and rel_err(frozen, expected) <= 2e-4
+    assert not frozen.requires_grad
+
+
+def test_frozen_head_skips_weight_gradient(monkeypatch):
+    """LoRA-style frozen lm_head: no V x H accumulator, no G^T @ h matmul."""
+    hidden, weight, labels, _ = _inputs()
+    weight.requires_grad_(False)
+    _forbid(monkeypatch, chunked, "_Accumulator")
+    loss = FusedLMLoss(chunk_size=8)(hidden, weight, labels)
+    loss.backward()
+    _, grads = reference_loss(hidden, weight, labels)
+    assert weight.grad is None
+    assert rel_err(hidden.grad, grads["hidden"]) <= 2e-4
+
+
+def test_head_only_trainable_still_gets_gradient(backend):
+    hidden, weight, labels, bias = _inputs()
+    hidden.requires_grad_(False)
+    loss = FusedLMLoss(chunk_size=8, reduction="sum")(hidden, weight, labels, bias)
+    loss.backward()
+    _, grads = reference_loss(hidden, weight, labels, bias, reduction="sum")
+    assert rel_err(weight.grad, grads["weight"]) <= 2e-4 and rel_err(bias.grad, grads["bias"]) <= 2e-4
+
+
+def test_ignored_rows_skip_the_matmul(monkeypatch):
+    """Only non-ignored rows reach the logits matmul."""
+    hidden, weight, labels, _ = make_inputs(64, 8, 30, ignore_frac=0.5)
+    seen_rows = []
+    original = chunked._logits_into
+
+    def spy(out, h, *args):
+        seen_rows.append(h.shape[0])
+        return original(out, h, *args)
+
+    monkeypatch.setattr(chunked, "_logits_into", spy)
+    FusedLMLoss(chunk_size=16)(hidden, weight, labels)
+    assert sum(seen_rows) == int((labels != -100).sum())
+
+
+def test_auto_chunk_rows_stays_in_budget():
+    for vocab, itemsize in ((128256, 2), (256000, 2), (151936, 6), (32000, 4)):
+        rows = chunked.auto_chunk_rows(vocab * itemsize)
+        assert rows * vocab * itemsize <= chunked.LOGITS_BUDGET_BYTES
+        assert rows >= 128 and rows % 128 == 0
+    assert chunked.auto_chunk_rows(10**12) == 1
+
+
+def test_accum_dtype_none_keeps_weight_dtype(backend):
+    hidden, weight, labels, _ = make_inputs(64, 16, 80, dtype=torch.bfloat16)
+    weight.requires_grad_(True)
+    FusedLMLoss(accum_dtype=None, chunk_size=16)(hidden, weight, labels).backward()
+    _, grads = reference_loss(hidden, weight, labels)
+    assert weight.grad.dtype == torch.bfloat16
+    assert rel_err(weight.grad, grads["weight"]) < 2e-2
