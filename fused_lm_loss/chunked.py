@@ -194,6 +194,16 @@ def run_chunks(
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
 
     smoothing = opts.label_smoothing
+    # One kernel for stats and gradient when nothing must happen in between (vocab-parallel shards
+    # merge their stats between the two).
+    fuse_stats_and_grad = compute_stats and needs.any() and shard.group is None
+    kernel_options = dict(
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+        label_smoothing=smoothing,
+        vocab_size=shard.total,
+        z_loss=opts.z_loss,
+    )
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h = rows.gather(hidden, start, end)
@@ -204,10 +214,14 @@ def run_chunks(
             u = rows.gather(low_rank[0], start, end)
             _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
 
+        grad = grad_buf[: end - start]
         if compute_stats:
-            stats = ops.row_stats(
-                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
-            )
+            if fuse_stats_and_grad:
+                stats = ops.row_stats_and_grad(logits, grad, target, grad_scale=grad_scale, **kernel_options)
+            else:
+                stats = ops.row_stats(
+                    logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
+                )
             row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats)
             chunk_lse = row_max + torch.log(row_sumexp)
             chunk_loss = chunk_lse - (1.0 - smoothing) * target_logit
@@ -219,21 +233,16 @@ def run_chunks(
             lse_rows[start:end] = chunk_lse
         if not needs.any():
             continue
-
-        grad = grad_buf[: end - start]
-        ops.grad_logits(
-            logits,
-            grad,
-            target,
-            lse_rows[start:end],
-            grad_scale=grad_scale,
-            row_scale=None if row_scale is None else row_scale[start:end],
-            logit_scale=opts.logit_scale,
-            softcap=opts.softcap,
-            label_smoothing=smoothing,
-            vocab_size=shard.total,
-            z_loss=opts.z_loss,
-        )
+        if not fuse_stats_and_grad:
+            ops.grad_logits(
+                logits,
+                grad,
+                target,
+                lse_rows[start:end],
+                grad_scale=grad_scale,
+                row_scale=None if row_scale is None else row_scale[start:end],
+                **kernel_options,
+            )
         if grad_hidden is not None:
             _store_rows(grad_hidden, rows, start, end, grad, weight)
         if grad_low_rank_input is not None:

@@ -27,6 +27,33 @@ from .softcap import tanh
 
 
 @triton.jit
+def grad_block(
+    x,
+    cols,
+    target,
+    lse,
+    scale,
+    logit_scale,
+    softcap,
+    smoothing_per_class,
+    target_weight,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """d(scale * loss_i)/d(x) for one block of raw logits x (fp32) at columns ``cols``."""
+    z = x * logit_scale
+    if HAS_SOFTCAP:
+        capped = tanh(z / softcap)
+        z = softcap * capped
+    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+    grad = tl.where(cols == target, grad - target_weight, grad)
+    grad = grad * (scale * logit_scale)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
+    return grad
+
+
+@triton.jit
 def _grad_logits_kernel(
     logits_ptr,
     logits_row_stride,
@@ -49,22 +76,23 @@ def _grad_logits_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols
-
-    z = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-    if HAS_SOFTCAP:
-        capped = tanh(z / softcap)
-        z = softcap * capped
-    lse = tl.load(lse_ptr + row)
-    target = tl.load(target_ptr + row)
-
-    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
-    grad = tl.where(cols == target, grad - target_weight, grad)
-    scale = grad_scale * logit_scale
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
-    grad = grad * scale
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
+    grad = grad_block(
+        x,
+        cols,
+        tl.load(target_ptr + row),
+        tl.load(lse_ptr + row),
+        scale,
+        logit_scale,
+        softcap,
+        smoothing_per_class,
+        target_weight,
+        z_loss,
+        HAS_SOFTCAP,
+    )
     tl.store(grad_ptr + row * grad_row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 

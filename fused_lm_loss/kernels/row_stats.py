@@ -3,8 +3,8 @@
 For each row ``i`` of the raw logits chunk ``x`` (the matmul output, any float dtype) the kernel
 forms the loss-space logits in fp32::
 
-    z_ij = logit_scale * x_ij                       (no softcap)
-    z_ij = softcap * tanh(logit_scale * x_ij / softcap)   (softcap)
+    z_ij = logit_scale * x_ij                                  (no softcap)
+    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap)
 
 and, in one pass over the row with an online softmax, writes four fp32 numbers::
 
@@ -27,25 +27,11 @@ from .softcap import apply_softcap
 
 
 @triton.jit
-def _row_stats_kernel(
-    logits_ptr,
-    logits_row_stride,
-    target_ptr,
-    row_max_ptr,
-    row_sumexp_ptr,
-    target_logit_ptr,
-    logit_sum_ptr,
-    n_cols,
-    logit_scale,
-    softcap,
-    HAS_SOFTCAP: tl.constexpr,
-    NEED_SUM: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+def online_row_stats(
+    row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * logits_row_stride
+    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row."""
     offsets = tl.arange(0, BLOCK_V)
-
     running_max = float("-inf")
     running_sumexp = 0.0
     running_sum = 0.0
@@ -61,16 +47,43 @@ def _row_stats_kernel(
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         running_sumexp = running_sumexp * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
         running_max = new_max
+    return running_max, running_sumexp, running_sum
 
-    target = tl.load(target_ptr + row)
+
+@triton.jit
+def target_logit(row_ptr, target, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """z_i,t of the row (0 when target < 0, i.e. the class lives in another vocab shard)."""
     has_target = target >= 0
-    z_target = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32) * logit_scale
+    z = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32) * logit_scale
     if HAS_SOFTCAP:
-        z_target = apply_softcap(z_target, softcap)
-    tl.store(row_max_ptr + row, running_max)
-    tl.store(row_sumexp_ptr + row, running_sumexp)
-    tl.store(target_logit_ptr + row, tl.where(has_target, z_target, 0.0))
-    tl.store(logit_sum_ptr + row, running_sum)
+        z = apply_softcap(z, softcap)
+    return tl.where(has_target, z, 0.0)
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    stats_ptr,
+    n_rows,
+    n_cols,
+    logit_scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_SUM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    row_max, row_sumexp, row_sum = online_row_stats(
+        row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP, NEED_SUM, BLOCK_V
+    )
+    z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+    tl.store(stats_ptr + row, row_max)
+    tl.store(stats_ptr + n_rows + row, row_sumexp)
+    tl.store(stats_ptr + 2 * n_rows + row, z_target)
+    tl.store(stats_ptr + 3 * n_rows + row, row_sum)
 
 
 def row_stats(
@@ -84,24 +97,21 @@ def row_stats(
     """Launch the stats kernel on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1
-    out = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
-    if rows == 0:
-        return out[0], out[1], out[2], out[3]
-    block_v = min(triton.next_power_of_2(n_cols), 4096)
-    _row_stats_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        target,
-        out[0],
-        out[1],
-        out[2],
-        out[3],
-        n_cols,
-        float(logit_scale),
-        float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None,
-        NEED_SUM=need_sum,
-        BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
-    )
-    return out[0], out[1], out[2], out[3]
+    stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
+    if rows > 0:
+        block_v = min(triton.next_power_of_2(n_cols), 4096)
+        _row_stats_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            target,
+            stats,
+            rows,
+            n_cols,
+            float(logit_scale),
+            float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None,
+            NEED_SUM=need_sum,
+            BLOCK_V=block_v,
+            num_warps=8 if block_v >= 2048 else 4,
+        )
+    return stats[0], stats[1], stats[2], stats[3]
