@@ -8,6 +8,11 @@ import torch  # noqa: E402
 
 import fused_lm_loss  # noqa: E402
 
+# The same suite runs on a GPU (the device tool's H200) with FUSED_LM_LOSS_TEST_DEVICE=cuda.
+DEVICE = torch.device(os.environ.get("FUSED_LM_LOSS_TEST_DEVICE", "cpu"))
+if DEVICE.type != "cpu":
+    torch.set_default_device(DEVICE)
+
 
 def _triton_available() -> bool:
     try:

@@ -31,7 +31,7 @@ def test_factor_one_returns_saved_gradients_as_they_are(backend):
 
 
 def test_grad_scaler_scale_is_used(backend):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=2.0**12)
     hidden, weight, labels, bias = _inputs()
     loss = FusedLMLoss(grad_scaler=scaler, chunk_size=16)(hidden, weight, labels, bias)
     assert loss.grad_fn.scaling == 2.0**12

@@ -221,7 +221,7 @@ def test_autocast_casts_like_linear(backend):
     hidden, weight, labels, _ = make_inputs(64, 32, 120)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
         loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels)
     loss.backward()
     expected, grads = reference_loss(hidden, weight, labels)
