@@ -34,6 +34,8 @@ from .options import LossOptions
 
 #: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None.
 LOGITS_BUDGET_BYTES = 256 * 2**20
+#: Use the one-launch stats + gradient kernel where it applies (a switch for A/B benchmarks).
+FUSE_STATS_AND_GRAD = True
 
 _forced_backend: str | None = None
 
@@ -196,7 +198,7 @@ def run_chunks(
     smoothing = opts.label_smoothing
     # One kernel for stats and gradient when nothing must happen in between (vocab-parallel shards
     # merge their stats between the two).
-    fuse_stats_and_grad = compute_stats and needs.any() and shard.group is None
+    fuse_stats_and_grad = FUSE_STATS_AND_GRAD and compute_stats and needs.any() and shard.group is None
     kernel_options = dict(
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,

@@ -1,17 +1,18 @@
 import os
 
-# The Triton interpreter must be chosen before triton is first imported: it lets the kernels run on CPU tensors.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# The same suite runs on a GPU (the device tool's H200) with FUSED_LM_LOSS_TEST_DEVICE=cuda. On CPU the
+# Triton interpreter must be chosen before triton is first imported: it lets the kernels run on CPU tensors.
+TEST_DEVICE = os.environ.get("FUSED_LM_LOSS_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import fused_lm_loss  # noqa: E402
 
-# The same suite runs on a GPU (the device tool's H200) with FUSED_LM_LOSS_TEST_DEVICE=cuda.
-DEVICE = torch.device(os.environ.get("FUSED_LM_LOSS_TEST_DEVICE", "cpu"))
-if DEVICE.type != "cpu":
-    torch.set_default_device(DEVICE)
+if TEST_DEVICE != "cpu":
+    torch.set_default_device(TEST_DEVICE)
 
 
 def _triton_available() -> bool:
