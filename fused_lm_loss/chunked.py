@@ -32,10 +32,14 @@ from torch.autograd.function import once_differentiable
 from . import distributed, torch_path
 from .options import LossOptions
 
-#: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None.
-LOGITS_BUDGET_BYTES = 256 * 2**20
+#: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None: 240 MiB, so that with
+#: the small per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
+LOGITS_BUDGET_BYTES = 240 * 2**20
 #: Use the one-launch stats + gradient kernel where it applies (a switch for A/B benchmarks).
 FUSE_STATS_AND_GRAD = True
+#: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
+OVERLAP_GRAD_MATMULS = True
+_side_streams: dict = {}
 
 _forced_backend: str | None = None
 
@@ -63,9 +67,19 @@ def _kernels_for(device: torch.device):
 
 
 def auto_chunk_rows(bytes_per_row: int) -> int:
-    """Rows per chunk so that the chunk buffers stay within LOGITS_BUDGET_BYTES (multiple of 128 when large)."""
+    """Rows per chunk so that the chunk buffers stay within LOGITS_BUDGET_BYTES (multiple of 64 when large)."""
     rows = max(1, LOGITS_BUDGET_BYTES // max(bytes_per_row, 1))
-    return rows // 128 * 128 if rows >= 256 else rows
+    return rows // 64 * 64 if rows >= 128 else rows
+
+
+def _side_stream(device: torch.device):
+    """A second CUDA stream for G @ W: with few rows it has few output tiles, and fills the GPU only beside
+    the large G.T @ h running on the main stream."""
+    if not OVERLAP_GRAD_MATMULS or device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 @dataclass
@@ -245,16 +259,22 @@ def run_chunks(
                 row_scale=None if row_scale is None else row_scale[start:end],
                 **kernel_options,
             )
-        if grad_hidden is not None:
-            _store_rows(grad_hidden, rows, start, end, grad, weight)
-        if grad_low_rank_input is not None:
-            _store_rows(grad_low_rank_input, rows, start, end, grad, low_rank[1])
+        side = _side_stream(device) if grad_hidden is not None or grad_low_rank_input is not None else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if grad_hidden is not None:
+                _store_rows(grad_hidden, rows, start, end, grad, weight)
+            if grad_low_rank_input is not None:
+                _store_rows(grad_low_rank_input, rows, start, end, grad, low_rank[1])
         if grad_weight is not None:
             grad_weight.add(grad.t(), h)
         if grad_low_rank_weight is not None:
             grad_low_rank_weight.add(grad.t(), u)
         if grad_bias is not None:
             grad_bias += grad.sum(dim=0, dtype=torch.float32)
+        if side is not None:  # the next chunk overwrites G
+            torch.cuda.current_stream(device).wait_stream(side)
 
     if opts.reduce_grad_input:
         for partial in (grad_hidden, grad_low_rank_input):
