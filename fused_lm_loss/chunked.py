@@ -15,7 +15,8 @@ Buffers and their precision:
   G chunk       same buffer as logits (overwritten in place) unless logits are fp32: then its own
                 buffer in the matmul dtype, so both backward matmuls run on tensor cores
   row stats / loss / lse  (rows,)       fp32
-  dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS)
+  dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
+                                        vocab-parallel: ``accum_dtype`` partials, summed across ranks, then cast
   dW            (V_shard, H)            ``accum_dtype`` (fp32 default): summed over chunks, so the
                                         narrow dtype would round once per chunk
   db            (V_shard,)              fp32, cast to the bias dtype at the end
@@ -187,8 +188,11 @@ def run_chunks(
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    grad_hidden = _row_grad_buffer(hidden, rows) if needs.hidden else None
-    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows) if needs.low_rank_input else None
+    # Partial dX of a vocab shard is summed across ranks: in accum_dtype then (see distributed.py).
+    grad_hidden = _row_grad_buffer(hidden, rows, shard.grad_input_dtype(hidden.dtype, opts)) if needs.hidden else None
+    grad_low_rank_input = None
+    if needs.low_rank_input:
+        grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, shard.grad_input_dtype(low_rank[0].dtype, opts))
     grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
     grad_low_rank_weight = _Accumulator(low_rank[1].shape, accum_dtype, device) if needs.low_rank_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
@@ -208,7 +212,7 @@ def run_chunks(
             stats = ops.row_stats(
                 logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
-            row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats)
+            row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats, need_sum=smoothing > 0)
             chunk_lse = row_max + torch.log(row_sumexp)
             chunk_loss = chunk_lse - (1.0 - smoothing) * target_logit
             if smoothing > 0:
@@ -246,9 +250,10 @@ def run_chunks(
             grad_bias += grad.sum(dim=0, dtype=torch.float32)
 
     if opts.reduce_grad_input:
-        for partial in (grad_hidden, grad_low_rank_input):
-            if partial is not None:
-                shard.sum_partial_grad(partial)
+        if grad_hidden is not None:
+            grad_hidden = shard.sum_partial_grad(grad_hidden, hidden.dtype)
+        if grad_low_rank_input is not None:
+            grad_low_rank_input = shard.sum_partial_grad(grad_low_rank_input, low_rank[0].dtype)
     grads = (
         grad_hidden,
         None if grad_weight is None else grad_weight.result(weight.dtype),
@@ -259,18 +264,20 @@ def run_chunks(
     return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
 
 
-def _row_grad_buffer(like: torch.Tensor, rows: Rows) -> torch.Tensor:
+def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
     """Gradient of a per-token input: rows that carry no loss stay zero."""
     alloc = torch.empty if rows.index is None else torch.zeros
-    return alloc(like.shape, dtype=like.dtype, device=like.device)
+    return alloc(like.shape, dtype=dtype, device=like.device)
 
 
 def _store_rows(out: torch.Tensor, rows: Rows, start: int, end: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
-    """out[chunk rows] = G @ weight."""
+    """out[chunk rows] = G @ weight; ``out`` may be wider (fp32) than G and weight."""
     if rows.index is None:
-        torch.mm(grad, weight, out=out[start:end])
+        _matmul_accumulate(out[start:end], grad, weight, first=True)
     else:
-        out.index_copy_(0, rows.index[start:end], torch.mm(grad, weight))
+        part = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
+        _matmul_accumulate(part, grad, weight, first=True)
+        out.index_copy_(0, rows.index[start:end], part)
 
 
 class _Accumulator:
@@ -305,7 +312,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         low_rank = None
         if low_rank_input is not None:
             low_rank = (low_rank_input.reshape(-1, low_rank_input.shape[-1]), low_rank_weight)
-        shard = distributed.Shard.of(weight, opts)
+        shard = distributed.Shard.of(weight, labels, opts)
         rows = select_rows(labels.reshape(-1), opts.ignore_index, shard)
         needs = GradNeeds(*ctx.needs_input_grad[:5])
         ctx.shapes = (hidden.shape, None if low_rank_input is None else low_rank_input.shape)
