@@ -210,7 +210,10 @@ def _reject_dtensor(name: str, t: Any) -> None:
     """A DTensor is an FSDP2 / tensor-parallel shard: computing with it would silently use part of the weight."""
     if t is None or not torch.distributed.is_available():
         return
-    from torch.distributed.tensor import DTensor  # public since torch 2.5
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        from torch.distributed._tensor import DTensor
 
     if isinstance(t, DTensor):
         raise ValueError(

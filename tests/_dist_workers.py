@@ -190,8 +190,12 @@ def run_case(case: Case, data: dict, group: Any, start: int, size: int) -> dict:
     return out
 
 
-def vocab_parallel_worker(rank: int, world: int, cases: list[Case], with_errors: bool) -> dict:
-    """All cases on this rank, then (optionally) the error cases and the example's check."""
+SUBGROUP_CASE = Case("subgroup", options=dict(FEATURES, chunk_size=6), bias=True, seed=30)
+
+
+def vocab_parallel_worker(rank: int, world: int, cases: list[Case], with_errors: bool, subgroup: list[int]) -> dict:
+    """All cases on this rank, then SUBGROUP_CASE over a group of some ranks (shards follow the group's
+    ranks, not the global ones), then (optionally) the error cases and the example's check."""
     results: dict[str, Any] = {}
     for case in cases:
         start, size = shard_bounds(case, world)[rank]
@@ -199,6 +203,11 @@ def vocab_parallel_worker(rank: int, world: int, cases: list[Case], with_errors:
         if case.dtype == torch.bfloat16:
             # Unsharded bf16 run on the same inputs: the vocab-parallel dX should round like it.
             results[case.name]["single_hidden"] = run_case(case, make_data(case, world), None, 0, case.vocab)["hidden"]
+    group = dist.new_group(subgroup)  # every rank takes part in creating it
+    if rank in subgroup:
+        case, group_rank = SUBGROUP_CASE, dist.get_rank(group)
+        start, size = shard_bounds(case, len(subgroup))[group_rank]
+        results[case.name] = run_case(case, make_data(case, len(subgroup)), group, start, size)
     if with_errors:
         results["errors"] = error_cases(rank, world)
         results["example"] = _load_example().check_vocab_parallel(torch.device("cpu"))
