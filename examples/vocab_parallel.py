@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/vocab_parallel.py                 # gloo on CPU, NCCL on GPUs
     torchrun --nproc_per_node 2 examples/vocab_parallel.py --vocab 128256 --hidden 4096 --tokens 8192
+    torchrun --nproc_per_node 2 examples/vocab_parallel.py --backend gloo   # 2 ranks sharing one GPU
 
 Every rank builds the same random lm_head, hidden states and labels (same seed), keeps its contiguous
 vocab shard (unequal when the vocabulary does not divide evenly), and computes the fused loss with
@@ -107,13 +108,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl with CUDA, else gloo")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
     if cuda:
+        # More ranks than GPUs share them round-robin (gloo only: NCCL needs one GPU per rank).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(backend)
     try:
         report = check_vocab_parallel(device, args.vocab, args.hidden, args.tokens, getattr(torch, args.dtype))
     finally:
@@ -121,7 +126,7 @@ def main() -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         errors = ", ".join(f"{k} {v:.1e}" for k, v in report["max_rel_error"].items())
         print(
-            f"vocab parallel over {report['world_size']} ranks ({'nccl' if cuda else 'gloo'}, {args.dtype}): "
+            f"vocab parallel over {report['world_size']} ranks ({backend} on {device.type}, {args.dtype}): "
             f"vocab {args.vocab}, hidden {args.hidden}, {args.tokens} tokens; loss {report['loss']:.6f}\n"
             f"max relative error vs unsharded: {errors} -> {'OK' if report['ok'] else 'MISMATCH'}\n"
             f"sharded forward + backward: {report['seconds'] * 1e3:.1f} ms (slowest rank)"
