@@ -212,7 +212,7 @@ def run_chunks(
             stats = ops.row_stats(
                 logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
-            row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats, need_sum=smoothing > 0)
+            row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats)
             chunk_lse = row_max + torch.log(row_sumexp)
             chunk_loss = chunk_lse - (1.0 - smoothing) * target_logit
             if smoothing > 0:

@@ -60,6 +60,7 @@ class Shard:
     total: int
     group: Any = None
     world_size: int = 1
+    merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
 
     @classmethod
     def of(cls, weight: torch.Tensor, labels: torch.Tensor, opts: LossOptions) -> "Shard":
@@ -77,7 +78,7 @@ class Shard:
             start, total = rank * size, size * world
         else:
             start, total = opts.vocab_start, opts.vocab_size
-        shard = cls(start=start, size=size, total=total, group=group, world_size=world)
+        shard = cls(start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0)
         shard._check_layout(weight, labels, opts.ignore_index)
         return shard
 
@@ -133,7 +134,6 @@ class Shard:
         row_sumexp: torch.Tensor,
         target_logit: torch.Tensor,
         logit_sum: torch.Tensor,
-        need_sum: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Combine per-shard row statistics into statistics over the whole vocabulary (two all-reduces)."""
         if self.group is None:
@@ -142,10 +142,10 @@ class Shard:
 
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=self.group)
-        parts = [row_sumexp * torch.exp(row_max - global_max), target_logit] + ([logit_sum] if need_sum else [])
-        sums = torch.stack(parts)
+        parts = [row_sumexp * torch.exp(row_max - global_max), target_logit]
+        sums = torch.stack(parts + [logit_sum] if self.merge_logit_sum else parts)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
-        return global_max, sums[0], sums[1], sums[2] if need_sum else logit_sum
+        return global_max, sums[0], sums[1], sums[2] if self.merge_logit_sum else logit_sum
 
     def grad_input_dtype(self, input_dtype: torch.dtype, opts: LossOptions) -> torch.dtype:
         """dtype of the partial dX buffer: ``accum_dtype`` when it will be summed across ranks (see module doc)."""
