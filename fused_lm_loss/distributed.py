@@ -32,10 +32,11 @@ Example (2 ranks, each holding half of a 32000-row lm_head)::
 
     dist.init_process_group("nccl")                  # or "gloo" on CPU
     rank, world = dist.get_rank(), dist.get_world_size()
-    shard = full_weight.chunk(world)[rank]           # (16000, H); rows [16000 * rank, 16000 * (rank + 1))
+    # rows [16000 * rank, 16000 * (rank + 1)) of the (32000, H) lm_head
+    shard = torch.nn.Parameter(full_weight.chunk(world)[rank].clone())
     loss_fn = FusedLMLoss(process_group=dist.group.WORLD)
     loss = loss_fn(hidden, shard, labels)            # labels: global ids in [0, 32000); same on every rank
-    loss.backward()                                  # shard.grad: its rows of dW; hidden.grad: full dX
+    loss.backward()                                  # shard.grad: its rows of dW; hidden.grad: the full dX
 
     # unequal shards: say where this rank's rows start and how large the whole vocabulary is
     loss_fn = FusedLMLoss(process_group=pg, vocab_start=starts[rank], vocab_size=32000)
