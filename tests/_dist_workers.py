@@ -10,6 +10,7 @@ import datetime
 import importlib.util
 import os
 import pathlib
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -38,6 +39,8 @@ def spawn(target: Callable, world: int, tmp_path: pathlib.Path, *args: Any) -> l
 def _entry(rank: int, world: int, init_file: str, out_dir: str, target: Callable, args: tuple) -> None:
     # The Triton interpreter must be chosen before triton is first imported (only the triton case uses it).
     os.environ["TRITON_INTERPRET"] = "1"
+    if sys.platform == "linux":  # all ranks are local: loopback works where the hostname does not resolve
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
