@@ -249,10 +249,29 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
         "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=0 if rank == 0 else rank * size, vocab_size=case.vocab),
         "labels_not_replicated": attempt(mine, not_replicated),
     }
+    errors["dtensor_weight"] = _dtensor_weight_error(data, world)
     # The ranks are still in step: a correct call afterwards works.
     start, size = shard_bounds(case, world)[rank]
     errors["then_ok"] = float(run_case(case, data, group, start, size)["loss"])
     return errors
+
+
+def _dtensor_weight_error(data: dict, world: int) -> str:
+    """A row-sharded DTensor weight (what FSDP2 / tensor parallelism hold between forwards) is refused."""
+    import fused_lm_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.tensor import Shard as RowShard, distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import Shard as RowShard, distribute_tensor
+
+    weight = distribute_tensor(data["weight"].float(), init_device_mesh("cpu", (world,)), [RowShard(0)])
+    try:
+        fused_lm_loss.FusedLMLoss()(data["hidden"].float(), weight, data["labels"])
+    except ValueError as error:
+        return str(error)
+    return "no error"
 
 
 def _load_example():

@@ -137,6 +137,7 @@ def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
         "overlap": "without gaps or overlaps",
         "gap": "without gaps or overlaps",
         "labels_not_replicated": "same labels",
+        "dtensor_weight": "weight is a DTensor",
     }
     for key, fragment in expected.items():
         assert fragment in errors[0][key], (key, errors[0][key])
