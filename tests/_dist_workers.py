@@ -241,12 +241,15 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     if rank == 1:
         not_replicated[labels != IGNORE] = IGNORE
     mine = slice(rank * size, (rank + 1) * size)
+    start_overlap, v = rank * (size - 2), case.vocab
     errors = {
         "label_out_of_range": attempt(mine, out_of_range),
         # equal shards (no vocab_start) but rank 0 holds one row more
         "size_mismatch": attempt(slice(0, size + 1) if rank == 0 else mine, labels),
-        "overlap": attempt(slice(rank * (size - 2), rank * (size - 2) + size), labels, vocab_start=rank * (size - 2), vocab_size=case.vocab),
-        "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=0 if rank == 0 else rank * size, vocab_size=case.vocab),
+        # rank 1's rows start 2 rows before rank 0's end
+        "overlap": attempt(slice(start_overlap, start_overlap + size), labels, vocab_start=start_overlap, vocab_size=v),
+        # rank 0 holds one row less: row size - 1 is nobody's
+        "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=rank * size, vocab_size=v),
         "labels_not_replicated": attempt(mine, not_replicated),
     }
     errors["dtensor_weight"] = _dtensor_weight_error(data, world)
@@ -342,7 +345,9 @@ class DataParallelScenario:
     def uses_num_items(self) -> bool:
         return self.one_rank_ignored or self.reduction == "none"
 
-    def rank_loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, n_items: int, world: int) -> torch.Tensor:
+    def rank_loss(
+        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, n_items: int, world: int
+    ) -> torch.Tensor:
         """This rank's loss, scaled so that averaging gradients over ranks gives the global-batch gradient."""
         if self.reduction == "none":
             return model(ids, labels).sum() / n_items * world

@@ -26,7 +26,8 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def reference(case: Case, data: dict) -> dict:
     """float64 loss and gradients of the unsharded problem, from the full logits."""
-    leaves = {k: data[k].clone().requires_grad_() for k in ("hidden", "weight", "bias", "low_rank_input", "low_rank_weight") if data.get(k) is not None}
+    names = ("hidden", "weight", "bias", "low_rank_input", "low_rank_weight")
+    leaves = {k: data[k].clone().requires_grad_() for k in names if data.get(k) is not None}
     opts = case.options
     logits = leaves["hidden"] @ leaves["weight"].T
     if "bias" in leaves:
@@ -95,12 +96,14 @@ def check_case(case: Case, per_rank: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return workers.spawn(workers.vocab_parallel_worker, 2, tmp_path_factory.mktemp("vp2"), workers.CASES_2, True, [0, 1])
+    tmp = tmp_path_factory.mktemp("vp2")
+    return workers.spawn(workers.vocab_parallel_worker, 2, tmp, workers.CASES_2, True, [0, 1])
 
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory) -> list[dict]:
-    return workers.spawn(workers.vocab_parallel_worker, 3, tmp_path_factory.mktemp("vp3"), workers.CASES_3, False, [1, 2])
+    tmp = tmp_path_factory.mktemp("vp3")
+    return workers.spawn(workers.vocab_parallel_worker, 3, tmp, workers.CASES_3, False, [1, 2])
 
 
 @pytest.mark.parametrize("case", workers.CASES_2, ids=lambda c: c.name)
