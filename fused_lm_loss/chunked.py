@@ -188,11 +188,13 @@ def run_chunks(
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    # Partial dX of a vocab shard is summed across ranks: in accum_dtype then (see distributed.py).
-    grad_hidden = _row_grad_buffer(hidden, rows, shard.grad_input_dtype(hidden.dtype, opts)) if needs.hidden else None
-    grad_low_rank_input = None
-    if needs.low_rank_input:
-        grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, shard.grad_input_dtype(low_rank[0].dtype, opts))
+    # A vocab shard's partial dX is summed across ranks in accum_dtype (see distributed.py) where the matmul
+    # writes that dtype directly; upcasting W every chunk instead (CUDA, torch < 2.8) would cost more.
+    grad_input_dtype = mm_dtype
+    if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
+        grad_input_dtype = shard.grad_input_dtype(mm_dtype, opts)
+    grad_hidden = _row_grad_buffer(hidden, rows, grad_input_dtype) if needs.hidden else None
+    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, grad_input_dtype) if needs.low_rank_input else None
     grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
     grad_low_rank_weight = _Accumulator(low_rank[1].shape, accum_dtype, device) if needs.low_rank_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
@@ -251,9 +253,9 @@ def run_chunks(
 
     if opts.reduce_grad_input:
         if grad_hidden is not None:
-            grad_hidden = shard.sum_partial_grad(grad_hidden, hidden.dtype)
+            grad_hidden = shard.sum_partial_grad(grad_hidden, mm_dtype)
         if grad_low_rank_input is not None:
-            grad_low_rank_input = shard.sum_partial_grad(grad_low_rank_input, low_rank[0].dtype)
+            grad_low_rank_input = shard.sum_partial_grad(grad_low_rank_input, mm_dtype)
     grads = (
         grad_hidden,
         None if grad_weight is None else grad_weight.result(weight.dtype),

@@ -19,7 +19,8 @@ hidden that went through ``copy_to_tensor_model_parallel_region``, the input of 
 Precision of the dX all-reduce: when ``reduce_grad_input`` is on and the inputs are bf16/fp16, the partial
 dX is kept in ``accum_dtype`` (fp32 by default) and summed across ranks in it, then cast once to the
 hidden dtype: the result rounds once, as on a single device, instead of once per rank and per reduction
-step. This doubles the bytes of that one (N, H) all-reduce; ``accum_dtype=None`` sums in the hidden dtype.
+step. This doubles the bytes of that one (N, H) all-reduce; ``accum_dtype=None`` sums in the hidden dtype,
+as does CUDA with torch < 2.8 (no matmul with fp32 output from bf16/fp16 operands there).
 
 Each call also all-gathers a few integers per rank (shard bounds, vocab size, label counts) to check
 that the shards tile the vocabulary and the labels are replicated; a mistake raises the same
