@@ -15,7 +15,8 @@ Buffers and their precision:
   G chunk       same buffer as logits (overwritten in place) unless logits are fp32: then its own
                 buffer in the matmul dtype, so both backward matmuls run on tensor cores
   row stats / loss / lse  (rows,)       fp32
-  dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS)
+  dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
+                                        vocab-parallel: ``accum_dtype`` partials, summed across ranks, then cast
   dW            (V_shard, H)            ``accum_dtype`` (fp32 default): summed over chunks, so the
                                         narrow dtype would round once per chunk
   db            (V_shard,)              fp32, cast to the bias dtype at the end
@@ -203,8 +204,13 @@ def run_chunks(
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    grad_hidden = _row_grad_buffer(hidden, rows) if needs.hidden else None
-    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows) if needs.low_rank_input else None
+    # A vocab shard's partial dX is summed across ranks in accum_dtype (see distributed.py) where the matmul
+    # writes that dtype directly; upcasting W every chunk instead (CUDA, torch < 2.8) would cost more.
+    grad_input_dtype = mm_dtype
+    if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
+        grad_input_dtype = shard.grad_input_dtype(mm_dtype, opts)
+    grad_hidden = _row_grad_buffer(hidden, rows, grad_input_dtype) if needs.hidden else None
+    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, grad_input_dtype) if needs.low_rank_input else None
     grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
     grad_low_rank_weight = _Accumulator(low_rank[1].shape, accum_dtype, device) if needs.low_rank_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
@@ -277,9 +283,10 @@ def run_chunks(
             torch.cuda.current_stream(device).wait_stream(side)
 
     if opts.reduce_grad_input:
-        for partial in (grad_hidden, grad_low_rank_input):
-            if partial is not None:
-                shard.sum_partial_grad(partial)
+        if grad_hidden is not None:
+            grad_hidden = shard.sum_partial_grad(grad_hidden, mm_dtype)
+        if grad_low_rank_input is not None:
+            grad_low_rank_input = shard.sum_partial_grad(grad_low_rank_input, mm_dtype)
     grads = (
         grad_hidden,
         None if grad_weight is None else grad_weight.result(weight.dtype),
@@ -290,18 +297,20 @@ def run_chunks(
     return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
 
 
-def _row_grad_buffer(like: torch.Tensor, rows: Rows) -> torch.Tensor:
+def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
     """Gradient of a per-token input: rows that carry no loss stay zero."""
     alloc = torch.empty if rows.index is None else torch.zeros
-    return alloc(like.shape, dtype=like.dtype, device=like.device)
+    return alloc(like.shape, dtype=dtype, device=like.device)
 
 
 def _store_rows(out: torch.Tensor, rows: Rows, start: int, end: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
-    """out[chunk rows] = G @ weight."""
+    """out[chunk rows] = G @ weight; ``out`` may be wider (fp32) than G and weight."""
     if rows.index is None:
-        torch.mm(grad, weight, out=out[start:end])
+        _matmul_accumulate(out[start:end], grad, weight, first=True)
     else:
-        out.index_copy_(0, rows.index[start:end], torch.mm(grad, weight))
+        part = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
+        _matmul_accumulate(part, grad, weight, first=True)
+        out.index_copy_(0, rows.index[start:end], part)
 
 
 class _Accumulator:
@@ -338,7 +347,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         low_rank = None
         if low_rank_input is not None:
             low_rank = (low_rank_input.reshape(-1, low_rank_input.shape[-1]), low_rank_weight)
-        shard = distributed.Shard.of(weight, opts)
+        shard = distributed.Shard.of(weight, labels, opts)
         rows = select_rows(labels.reshape(-1), opts.ignore_index, shard)
         # Inside forward grad mode is always off; whether the caller's was on is passed in.
         needs = GradNeeds(*ctx.needs_input_grad[:5]) if grad_enabled else GradNeeds()

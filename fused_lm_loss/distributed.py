@@ -1,17 +1,46 @@
 """Vocab parallelism (a tensor-parallel lm_head) over torch.distributed.
 
-Each rank holds a contiguous shard ``W[start:start + size]`` of the (total, H) weight and the same
-hidden states and global labels. The chunk loop runs on every rank in lockstep; per chunk only the
-row statistics cross ranks (a few fp32 numbers per token, never logits)::
+Each rank of ``process_group`` holds a contiguous shard ``W[start:start + size]`` of the (V, H) lm_head
+weight (and the same rows of the bias), the same hidden states and the same *global* labels. The chunk
+loop runs on every rank in lockstep; per chunk only row statistics cross ranks (a few fp32 numbers per
+token, never logits)::
 
     M_i   = all_reduce_max(m_i)                       global row max
     S_i   = all_reduce_sum(s_i * exp(m_i - M_i))      global sum-exp  -> lse_i = M_i + log S_i
     z_i,t = all_reduce_sum(target logit or 0)         only the shard holding the class contributes
-    sum_i = all_reduce_sum(logit sum)                 label smoothing
+    sum_i = all_reduce_sum(logit sum)                 label smoothing only
 
-Each rank then writes its exact shard of dW / db, and its partial dX = G_shard @ W_shard, summed
-across the group at the end unless ``reduce_grad_input=False`` (for frameworks whose
-column-parallel linear all-reduces the input gradient in its own backward, as Megatron's does).
+Every rank then returns the same loss (equal to the unsharded one) and writes its exact shard of dW / db.
+Each rank's dX = G_shard @ W_shard is a partial sum; by default it is all-reduced at the end of the chunk
+loop, so every rank returns the full dX. ``reduce_grad_input=False`` returns the partial instead, for
+frameworks whose column-parallel linear all-reduces the input gradient in its own backward (Megatron-LM:
+hidden that went through ``copy_to_tensor_model_parallel_region``, the input of a ``ColumnParallelLinear``).
+
+Precision of the dX all-reduce: when ``reduce_grad_input`` is on and the inputs are bf16/fp16, the partial
+dX is kept in ``accum_dtype`` (fp32 by default) and summed across ranks in it, then cast once to the
+hidden dtype: the result rounds once, as on a single device, instead of once per rank and per reduction
+step. This doubles the bytes of that one (N, H) all-reduce; ``accum_dtype=None`` sums in the hidden dtype,
+as does CUDA with torch < 2.8 (no matmul with fp32 output from bf16/fp16 operands there).
+
+Each call also all-gathers a few integers per rank (shard bounds, vocab size, label counts) to check
+that the shards tile the vocabulary and the labels are replicated; a mistake raises the same
+``ValueError`` on every rank instead of hanging a collective or returning a wrong loss.
+
+Example (2 ranks, each holding half of a 32000-row lm_head)::
+
+    import torch.distributed as dist
+    from fused_lm_loss import FusedLMLoss
+
+    dist.init_process_group("nccl")                  # or "gloo" on CPU
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # rows [16000 * rank, 16000 * (rank + 1)) of the (32000, H) lm_head
+    shard = torch.nn.Parameter(full_weight.chunk(world)[rank].clone())
+    loss_fn = FusedLMLoss(process_group=dist.group.WORLD)
+    loss = loss_fn(hidden, shard, labels)            # labels: global ids in [0, 32000); same on every rank
+    loss.backward()                                  # shard.grad: its rows of dW; hidden.grad: the full dX
+
+    # unequal shards: say where this rank's rows start and how large the whole vocabulary is
+    loss_fn = FusedLMLoss(process_group=pg, vocab_start=starts[rank], vocab_size=32000)
 """
 from __future__ import annotations
 
@@ -26,16 +55,18 @@ from .options import LossOptions
 
 @dataclass(frozen=True)
 class Shard:
-    """Which part of the vocabulary this process's weight holds."""
+    """Which part of the vocabulary this process's weight holds (all of it without a process group)."""
 
     start: int
     size: int
     total: int
     group: Any = None
     world_size: int = 1
+    merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
 
     @classmethod
-    def of(cls, weight: torch.Tensor, opts: LossOptions) -> "Shard":
+    def of(cls, weight: torch.Tensor, labels: torch.Tensor, opts: LossOptions) -> "Shard":
+        """This rank's shard; with a process group, also check the layout across ranks (a collective)."""
         size = weight.shape[0]
         if opts.process_group is None:
             return cls(start=0, size=size, total=size)
@@ -43,13 +74,49 @@ class Shard:
 
         group = opts.process_group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of process_group")
         if opts.vocab_start is None:
             start, total = rank * size, size * world
         else:
             start, total = opts.vocab_start, opts.vocab_size
-        if start + size > total:
-            raise ValueError(f"vocab shard [{start}, {start + size}) does not fit in vocab_size={total}")
-        return cls(start=start, size=size, total=total, group=group, world_size=world)
+        shard = cls(start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0)
+        shard._check_layout(weight, labels, opts.ignore_index)
+        return shard
+
+    def _check_layout(self, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> None:
+        """All-gather each rank's (start, size, total, hidden size, label counts); raise on every rank alike.
+
+        Everything later (the number of chunks, hence of collectives) follows from these numbers, so
+        once they agree the ranks cannot fall out of step.
+        """
+        import torch.distributed as dist
+
+        known = torch.tensor([self.start, self.size, self.total, weight.shape[1], labels.numel()], dtype=torch.int64)
+        n_valid = (labels != ignore_index).sum().reshape(1).to(torch.int64)
+        mine = torch.cat([known.to(n_valid.device), n_valid])
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        layout = [t.tolist() for t in gathered]  # one host sync
+
+        shards = ", ".join(f"rank {r}: rows [{s}, {s + n}) of {v}" for r, (s, n, v, *_) in enumerate(layout))
+        if len({row[2] for row in layout}) > 1:
+            raise ValueError(
+                f"vocab shards disagree on the vocabulary size ({shards}); equal shards need the same number of "
+                "rows on every rank, unequal shards need vocab_start and vocab_size"
+            )
+        end = 0
+        for start, size, *_ in sorted(layout):
+            end = start + size if start == end else -1  # -1: a gap or an overlap, never recovers
+        if end != self.total:
+            raise ValueError(f"vocab shards must tile [0, {self.total}) without gaps or overlaps, got {shards}")
+        if len({row[3] for row in layout}) > 1:
+            raise ValueError(f"ranks disagree on the hidden size: {[row[3] for row in layout]}")
+        if len({(row[4], row[5]) for row in layout}) > 1:
+            raise ValueError(
+                "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored) "
+                f"counts per rank: {[(row[4], row[5]) for row in layout]}"
+            )
 
     @property
     def chunk_vocab(self) -> int:
@@ -63,20 +130,35 @@ class Shard:
         local = target - self.start
         return torch.where((local >= 0) & (local < self.size), local, torch.full_like(local, -1))
 
-    def merge_stats(self, row_max, row_sumexp, target_logit, logit_sum):
-        """Combine per-shard row statistics into statistics over the whole vocabulary."""
+    def merge_stats(
+        self,
+        row_max: torch.Tensor,
+        row_sumexp: torch.Tensor,
+        target_logit: torch.Tensor,
+        logit_sum: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Combine per-shard row statistics into statistics over the whole vocabulary (two all-reduces)."""
         if self.group is None:
             return row_max, row_sumexp, target_logit, logit_sum
         import torch.distributed as dist
 
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=self.group)
-        sums = torch.stack([row_sumexp * torch.exp(row_max - global_max), target_logit, logit_sum])
+        parts = [row_sumexp * torch.exp(row_max - global_max), target_logit]
+        sums = torch.stack(parts + [logit_sum] if self.merge_logit_sum else parts)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
-        return global_max, sums[0], sums[1], sums[2]
+        return global_max, sums[0], sums[1], sums[2] if self.merge_logit_sum else logit_sum
 
-    def sum_partial_grad(self, grad_hidden: torch.Tensor) -> None:
+    def grad_input_dtype(self, input_dtype: torch.dtype, opts: LossOptions) -> torch.dtype:
+        """dtype of the partial dX buffer: ``accum_dtype`` when it will be summed across ranks (see module doc)."""
+        if self.group is None or not opts.reduce_grad_input:
+            return input_dtype
+        return torch.promote_types(opts.accum_dtype or input_dtype, input_dtype)
+
+    def sum_partial_grad(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """All-reduce (SUM) a per-token input gradient over the group, then cast it to ``dtype``."""
         if self.group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
+        return partial.to(dtype)

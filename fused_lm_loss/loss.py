@@ -85,8 +85,15 @@ class FusedLMLoss(nn.Module):
             more exact gradients, one extra buffer).
         grad_scaler: a ``torch.amp.GradScaler`` (or anything with ``get_scale()``); its scale is read once
             per call and applied to the gradients before they are stored in fp16/bf16.
-        process_group, vocab_start, vocab_size, reduce_grad_input: vocab parallelism, see
+        process_group: vocab parallelism (a tensor-parallel lm_head) over this torch.distributed group:
+            ``weight`` (and ``bias``) hold this rank's contiguous vocab shard, hidden and labels (global ids)
+            are the same on every rank, and every rank returns the full loss. Example in
             ``fused_lm_loss.distributed``.
+        vocab_start, vocab_size: for unequal shards, this rank's first vocab row and the whole vocabulary
+            size (default: equal shards, vocab_start = rank * weight.shape[0]).
+        reduce_grad_input: with process_group, sum the hidden-state gradient over the group (default), or
+            leave each rank's partial for frameworks whose column-parallel linear all-reduces it in backward
+            (Megatron-LM's ``ColumnParallelLinear`` input).
 
     Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None, low_rank=None)``
     with hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
@@ -173,6 +180,8 @@ def _check_tensors(hidden, weight, labels, bias) -> None:
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        _reject_dtensor(name, t)
     if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
         raise ValueError(
             f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
@@ -197,10 +206,29 @@ def _check_tensors(hidden, weight, labels, bias) -> None:
         raise ValueError(f"hidden, weight, labels and bias must be on one device, got {sorted(map(str, devices))}")
 
 
+def _reject_dtensor(name: str, t: Any) -> None:
+    """A DTensor is an FSDP2 / tensor-parallel shard: computing with it would silently use part of the weight."""
+    if t is None or not torch.distributed.is_available():
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        from torch.distributed._tensor import DTensor
+
+    if isinstance(t, DTensor):
+        raise ValueError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}): the fused loss needs plain tensors. For an "
+            "FSDP2-sharded lm_head, compute the loss inside the lm_head module's forward, where FSDP has "
+            "all-gathered the weight; for vocab parallelism pass the local shard (.to_local()) and process_group"
+        )
+
+
 def _check_low_rank(low_rank, hidden, weight) -> None:
     if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
         raise ValueError("low_rank must be a pair (u, B): u (..., r) per token, B (V, r)")
     u, b = low_rank
+    _reject_dtensor("low_rank u", u)
+    _reject_dtensor("low_rank B", b)
     if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
         raise ValueError(
             f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "

@@ -1,0 +1,452 @@
+"""Rank processes for tests/test_distributed.py: gloo over a FileStore, spawned by torch.multiprocessing.
+
+Workers compute and ``torch.save`` their results; the test process compares them with float64
+references, so a failed comparison is an ordinary pytest failure. Every case's data comes from
+``make_data`` (seeded), the same in the workers and in the test process.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import pathlib
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IGNORE = -100
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# spawning
+
+
+def spawn(target: Callable, world: int, tmp_path: pathlib.Path, *args: Any) -> list[dict]:
+    """Run ``target(rank, world, out_file, *args)`` on ``world`` gloo ranks; return each rank's saved dict."""
+    import torch.multiprocessing as mp
+
+    init_file = tmp_path / "store"
+    mp.spawn(_entry, args=(world, str(init_file), str(tmp_path), target, args), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def _entry(rank: int, world: int, init_file: str, out_dir: str, target: Callable, args: tuple) -> None:
+    # The Triton interpreter must be chosen before triton is first imported (only the triton case uses it).
+    os.environ["TRITON_INTERPRET"] = "1"
+    if sys.platform == "linux":  # all ranks are local: loopback works where the hostname does not resolve
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),  # a rank out of step fails the test instead of hanging it
+    )
+    try:
+        results = target(rank, world, *args)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# vocab-parallel cases
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    vocab: int = 40
+    shards: tuple[int, ...] | None = None  # rows per rank (unequal shards); None: equal shards
+    order: tuple[int, ...] | None = None  # which slot of the vocab each rank holds (default: rank order)
+    options: dict = field(default_factory=dict)
+    bias: bool = False
+    rank_lora: int = 0  # low_rank=(u, B) with this rank r
+    dtype: torch.dtype = torch.float32
+    labels: str = "random"  # "random" | "first_shard" (other ranks hold no label) | "all_ignored"
+    num_items: int | None = None
+    scaling: float | None = None  # GradScaler semantics: backward of scaling * loss
+    grad_scaler: bool = False  # a real torch.amp.GradScaler instead of ``scaling``
+    backend: str = "torch"
+    functional: bool = False
+    seed: int = 0
+
+    @property
+    def reduction(self) -> str:
+        return self.options.get("reduction", "mean")
+
+
+FEATURES = dict(label_smoothing=0.1, z_loss=0.01, softcap=5.0, logit_scale=0.8)
+
+CASES_2 = [
+    Case("plain"),
+    Case("features_mean", options=dict(FEATURES, chunk_size=5), bias=True),
+    Case("features_sum_scaling", options=dict(FEATURES, reduction="sum", chunk_size=7), bias=True, scaling=1024.0),
+    Case("grad_scaler", options=dict(label_smoothing=0.2), grad_scaler=True, seed=1),
+    Case("features_none", options=dict(FEATURES, reduction="none", chunk_size=4), bias=True, seed=2),
+    Case("num_items", options=dict(z_loss=0.02, logit_scale=1.3), num_items=25, seed=3),
+    Case("unequal", shards=(29, 11), options=dict(label_smoothing=0.1, chunk_size=6), bias=True, seed=4),
+    Case("unequal_swapped", shards=(11, 29), order=(1, 0), options=dict(softcap=4.0), seed=5),
+    Case("labels_in_first_shard", labels="first_shard", options=dict(label_smoothing=0.1), bias=True, seed=6),
+    Case("all_ignored", labels="all_ignored", bias=True),
+    Case("all_ignored_none", labels="all_ignored", options=dict(reduction="none")),
+    Case("low_rank", rank_lora=4, options=dict(FEATURES, chunk_size=8), bias=True, seed=7),
+    Case("partial_grad_input", rank_lora=3, options=dict(reduce_grad_input=False, label_smoothing=0.1), seed=8),
+    Case("functional", functional=True, options=dict(z_loss=0.01, reduction="sum"), seed=9),
+    Case("triton", backend="triton", options=dict(FEATURES, chunk_size=5), bias=True, seed=10),
+    Case("triton_none", backend="triton", options=dict(FEATURES, reduction="none"), seed=11),
+    Case("bf16", dtype=torch.bfloat16, options=dict(label_smoothing=0.1, chunk_size=8), bias=True, seed=12),
+    Case("bf16_fp32_logits", dtype=torch.bfloat16, options=dict(logits_dtype=torch.float32, softcap=5.0), seed=13),
+]
+
+CASES_3 = [
+    Case("plain", vocab=39),
+    Case("features_mean", vocab=39, options=dict(FEATURES, chunk_size=4), bias=True, seed=20),
+    Case("features_none", vocab=39, options=dict(FEATURES, reduction="none", chunk_size=5), bias=True, seed=21),
+    Case("sum_scaling", vocab=39, options=dict(reduction="sum", z_loss=0.01), scaling=64.0, seed=22),
+    Case("unequal", vocab=39, shards=(5, 20, 14), order=(1, 0, 2), options=dict(FEATURES), bias=True, seed=23),
+    Case("labels_in_first_shard", vocab=39, labels="first_shard", options=dict(label_smoothing=0.1), seed=24),
+    Case("all_ignored", vocab=39, labels="all_ignored", options=dict(reduction="sum"), bias=True),
+    Case("partial_grad_input", vocab=39, options=dict(reduce_grad_input=False), bias=True, seed=25),
+]
+
+SHAPE, HIDDEN = (2, 9), 16
+
+
+def shard_bounds(case: Case, world: int) -> list[tuple[int, int]]:
+    """(start, size) of each rank's rows."""
+    sizes = case.shards or (case.vocab // world,) * world
+    assert sum(sizes) == case.vocab and len(sizes) == world, case
+    order = case.order or tuple(range(world))  # rank r holds the order[r]-th slice
+    by_slot = [sizes[r] for r in sorted(range(world), key=lambda r: order[r])]
+    starts = [sum(by_slot[: order[r]]) for r in range(world)]
+    return [(starts[r], sizes[r]) for r in range(world)]
+
+
+def make_data(case: Case, world: int) -> dict[str, torch.Tensor]:
+    """float64 inputs (logits of std ~3), global labels with ignored tokens, grad_output for reduction='none'."""
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    v, h = case.vocab, HIDDEN
+    data = {
+        "hidden": torch.randn(*SHAPE, h, generator=g, dtype=torch.float64),
+        "weight": torch.randn(v, h, generator=g, dtype=torch.float64) * (3.0 / h**0.5),
+        "bias": torch.randn(v, generator=g, dtype=torch.float64) if case.bias else None,
+        "grad_output": torch.randn(*SHAPE, generator=g, dtype=torch.float64),
+    }
+    if case.rank_lora:
+        r = case.rank_lora
+        data["low_rank_input"] = torch.randn(*SHAPE, r, generator=g, dtype=torch.float64)
+        data["low_rank_weight"] = torch.randn(v, r, generator=g, dtype=torch.float64) / r**0.5
+    low, count = shard_bounds(case, world)[0] if case.labels == "first_shard" else (0, v)  # rank 0's rows only
+    labels = torch.randint(low, low + count, SHAPE, generator=g)
+    labels[torch.rand(SHAPE, generator=g) < 0.2] = IGNORE
+    labels[0, 0] = IGNORE
+    if case.labels == "all_ignored":
+        labels.fill_(IGNORE)
+    data["labels"] = labels
+    return data
+
+
+def run_case(case: Case, data: dict, group: Any, start: int, size: int) -> dict:
+    """This rank's loss and gradients (hidden, weight shard, bias shard, u, B shard) for one case."""
+    import fused_lm_loss
+
+    def leaf(t: torch.Tensor | None, rows: bool = False) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t[start : start + size] if rows else t
+        return t.to(case.dtype).clone().requires_grad_()
+
+    hidden, weight, bias = leaf(data["hidden"]), leaf(data["weight"], rows=True), leaf(data["bias"], rows=True)
+    low_rank = None
+    if case.rank_lora:
+        low_rank = (leaf(data["low_rank_input"]), leaf(data["low_rank_weight"], rows=True))
+    options = dict(case.options, process_group=group)
+    if case.shards is not None:
+        options.update(vocab_start=start, vocab_size=case.vocab)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0) if case.grad_scaler else None
+    if scaler is not None:
+        options["grad_scaler"] = scaler
+    kwargs = dict(num_items_in_batch=case.num_items, scaling=case.scaling, low_rank=low_rank)
+    with fused_lm_loss.use_backend(case.backend):
+        if case.functional:
+            loss = fused_lm_loss.fused_linear_cross_entropy(hidden, weight, data["labels"], bias, **kwargs, **options)
+        else:
+            loss = fused_lm_loss.FusedLMLoss(**options)(hidden, weight, data["labels"], bias, **kwargs)
+        if case.reduction == "none":
+            loss.backward(data["grad_output"].to(loss.dtype))
+        elif scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            (loss * (case.scaling or 1.0)).backward()
+    out = {"loss": loss.detach(), "hidden": hidden.grad, "weight": weight.grad}
+    out["bias"] = None if bias is None else bias.grad
+    if low_rank is not None:
+        out["low_rank_input"], out["low_rank_weight"] = low_rank[0].grad, low_rank[1].grad
+    return out
+
+
+SUBGROUP_CASE = Case("subgroup", options=dict(FEATURES, chunk_size=6), bias=True, seed=30)
+
+
+def vocab_parallel_worker(rank: int, world: int, cases: list[Case], with_errors: bool, subgroup: list[int]) -> dict:
+    """All cases on this rank, then SUBGROUP_CASE over a group of some ranks (shards follow the group's
+    ranks, not the global ones), then (optionally) the error cases and the example's check."""
+    results: dict[str, Any] = {}
+    for case in cases:
+        start, size = shard_bounds(case, world)[rank]
+        results[case.name] = run_case(case, make_data(case, world), dist.group.WORLD, start, size)
+        if case.dtype == torch.bfloat16:
+            # Unsharded bf16 run on the same inputs: the vocab-parallel dX should round like it.
+            results[case.name]["single_hidden"] = run_case(case, make_data(case, world), None, 0, case.vocab)["hidden"]
+    group = dist.new_group(subgroup)  # every rank takes part in creating it
+    if rank in subgroup:
+        case, group_rank = SUBGROUP_CASE, dist.get_rank(group)
+        start, size = shard_bounds(case, len(subgroup))[group_rank]
+        results[case.name] = run_case(case, make_data(case, len(subgroup)), group, start, size)
+    if with_errors:
+        results["errors"] = error_cases(rank, world)
+        results["example"] = _load_example().check_vocab_parallel(torch.device("cpu"))
+    return results
+
+
+def error_cases(rank: int, world: int) -> dict[str, str]:
+    """Mistakes that must raise the same ValueError on every rank (not hang); then a good call still works."""
+    import fused_lm_loss
+
+    case = Case("errors")
+    data = make_data(case, world)
+    size = case.vocab // world
+    group = dist.group.WORLD
+
+    def attempt(weight_rows: slice, labels: torch.Tensor, **options: Any) -> str:
+        weight = data["weight"][weight_rows].float()
+        try:
+            fused_lm_loss.FusedLMLoss(process_group=group, **options)(data["hidden"].float(), weight, labels)
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    labels = data["labels"]
+    out_of_range = labels.clone()
+    out_of_range[1, 1] = case.vocab
+    not_replicated = labels.clone()
+    if rank == 1:
+        not_replicated[labels != IGNORE] = IGNORE
+    mine = slice(rank * size, (rank + 1) * size)
+    start_overlap, v = rank * (size - 2), case.vocab
+    errors = {
+        "label_out_of_range": attempt(mine, out_of_range),
+        # equal shards (no vocab_start) but rank 0 holds one row more
+        "size_mismatch": attempt(slice(0, size + 1) if rank == 0 else mine, labels),
+        # rank 1's rows start 2 rows before rank 0's end
+        "overlap": attempt(slice(start_overlap, start_overlap + size), labels, vocab_start=start_overlap, vocab_size=v),
+        # rank 0 holds one row less: row size - 1 is nobody's
+        "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=rank * size, vocab_size=v),
+        "labels_not_replicated": attempt(mine, not_replicated),
+    }
+    errors["dtensor_weight"] = _dtensor_weight_error(data, world)
+    # The ranks are still in step: a correct call afterwards works.
+    start, size = shard_bounds(case, world)[rank]
+    errors["then_ok"] = float(run_case(case, data, group, start, size)["loss"])
+    return errors
+
+
+def _dtensor_weight_error(data: dict, world: int) -> str:
+    """A row-sharded DTensor weight (what FSDP2 / tensor parallelism hold between forwards) is refused."""
+    import fused_lm_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.tensor import Shard as RowShard, distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import Shard as RowShard, distribute_tensor
+
+    weight = distribute_tensor(data["weight"].float(), init_device_mesh("cpu", (world,)), [RowShard(0)])
+    try:
+        fused_lm_loss.FusedLMLoss()(data["hidden"].float(), weight, data["labels"])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("vocab_parallel_example", ROOT / "examples" / "vocab_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP and FSDP2
+
+
+class LMHeadWithLoss(nn.Linear):
+    """An lm_head that computes the fused loss in its own forward, so FSDP2 has all-gathered ``weight``."""
+
+    def __init__(self, dim: int, vocab: int, **loss_options: Any) -> None:
+        super().__init__(dim, vocab, bias=False)
+        import fused_lm_loss
+
+        self.loss_fn = fused_lm_loss.FusedLMLoss(**loss_options)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        return self.loss_fn(hidden, self.weight, labels, self.bias, num_items_in_batch=num_items_in_batch)
+
+
+class TinyLM(nn.Module):
+    """embedding -> linear -> lm_head with the loss inside."""
+
+    def __init__(self, vocab: int = 48, dim: int = 16, **loss_options: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.lm_head = LMHeadWithLoss(dim, vocab, **loss_options)
+        with torch.no_grad():
+            self.lm_head.weight.mul_(3.0 * dim**0.5)  # logits of std ~3
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(self.embed(ids)))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(ids), labels, num_items_in_batch)
+
+
+@dataclass(frozen=True)
+class DataParallelScenario:
+    """Each rank's batch; ``one_rank_ignored``: rank 1's labels are all ignore_index (HF num_items_in_batch style)."""
+
+    name: str
+    one_rank_ignored: bool = False
+    reduction: str = "mean"
+    lr: float = 0.5
+
+    def batches(self, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(7)
+        out = []
+        for rank in range(world):
+            ids = torch.randint(0, 48, (2, 8), generator=g)
+            labels = torch.randint(0, 48, (2, 8), generator=g)
+            labels[:, :2] = IGNORE  # the same number of loss tokens per rank: mean of means = global mean
+            if self.one_rank_ignored and rank == 1:
+                labels.fill_(IGNORE)
+            out.append((ids, labels))
+        return out
+
+    @property
+    def uses_num_items(self) -> bool:
+        return self.one_rank_ignored or self.reduction == "none"
+
+    def rank_loss(
+        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, n_items: int, world: int
+    ) -> torch.Tensor:
+        """This rank's loss, scaled so that averaging gradients over ranks gives the global-batch gradient."""
+        if self.reduction == "none":
+            return model(ids, labels).sum() / n_items * world
+        if self.uses_num_items:
+            return model(ids, labels, n_items) * world
+        return model(ids, labels)
+
+
+DP_SCENARIOS = [
+    DataParallelScenario("mean"),
+    DataParallelScenario("one_rank_all_ignored", one_rank_ignored=True),
+    DataParallelScenario("none_one_rank_all_ignored", one_rank_ignored=True, reduction="none"),
+]
+
+
+def data_parallel_worker(rank: int, world: int) -> dict:
+    """One SGD step of TinyLM per scenario under DDP and under FSDP2 (lm_head its own unit)."""
+    results: dict[str, Any] = {"ddp": {}, "fsdp": {}}
+    for scenario in DP_SCENARIOS:
+        results["ddp"][scenario.name] = _ddp_step(scenario, rank, world)
+    fully_shard = _fully_shard()
+    if fully_shard is None:
+        results["fsdp"] = "fully_shard is not available in this torch"
+        return results
+    try:
+        for scenario in DP_SCENARIOS:
+            results["fsdp"][scenario.name] = _fsdp_step(fully_shard, scenario, rank, world)
+    except Exception:  # noqa: BLE001 - reported to the test (a skip where FSDP2 on CPU/gloo is not known to work)
+        results["fsdp"] = traceback.format_exc()
+    return results
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard  # torch 2.5
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def _global_items(batches: list) -> int:
+    return sum(int((labels != IGNORE).sum()) for _, labels in batches)
+
+
+def _ddp_step(scenario: DataParallelScenario, rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = TinyLM(reduction=scenario.reduction)
+    ddp = DistributedDataParallel(model)
+    batches = scenario.batches(world)
+    ids, labels = batches[rank]
+    loss = scenario.rank_loss(ddp, ids, labels, _global_items(batches), world)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=scenario.lr).step()
+    return {"grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def _fsdp_step(fully_shard: Callable, scenario: DataParallelScenario, rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fused_lm_loss
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = TinyLM(reduction=scenario.reduction)
+    fully_shard(model.lm_head, mesh=mesh)  # lm_head is its own FSDP unit
+    fully_shard(model, mesh=mesh)
+    batches = scenario.batches(world)
+    ids, labels = batches[rank]
+    loss = scenario.rank_loss(model, ids, labels, _global_items(batches), world)
+    loss.backward()
+    out: dict[str, Any] = {
+        "grads": {name: p.grad.full_tensor() for name, p in model.named_parameters()},
+        "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+    }
+    torch.optim.SGD(model.parameters(), lr=scenario.lr).step()
+    out["params"] = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+    # Outside its forward, lm_head.weight is this rank's shard (a DTensor): the loss must refuse it.
+    try:
+        fused_lm_loss.FusedLMLoss()(torch.randn(2, 8, 16), model.lm_head.weight, labels)
+        out["dtensor_error"] = "no error"
+    except ValueError as error:
+        out["dtensor_error"] = str(error)
+    return out
+
+
+def reference_step(scenario: DataParallelScenario, world: int) -> dict:
+    """The single-process float64 step on the concatenated batch (plain PyTorch cross-entropy)."""
+    model = TinyLM().double()
+    batches = scenario.batches(world)
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    logits = model.hidden(ids) @ model.lm_head.weight.T
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    (loss / _global_items(batches)).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=scenario.lr).step()
+    return {"grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
