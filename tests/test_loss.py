@@ -255,3 +255,20 @@ def test_in_place_ops_on_returned_loss(backend):
     _, grads = reference_loss(hidden, weight, labels)
     assert rel_err(weight.grad, 3.0 * grads["weight"]) <= 2e-4
     assert aux.grad == 1.0
+
+
+@pytest.mark.skipif(not hasattr(torch.nn, "LinearCrossEntropyOptions"), reason="torch without chunked linear_cross_entropy")
+def test_fp32_logits_at_least_as_exact_as_torch_chunked():
+    """The exactness issue's reference case: N=2048, H=256, V=32000, bf16, logits std ~4."""
+    hidden, weight, labels, _ = make_inputs(2048, 256, 32000, dtype=torch.bfloat16, logit_std=4.0, ignore_frac=0.0)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    expected, grads = reference_loss(hidden, weight, labels)
+
+    h_torch = hidden.detach().clone().requires_grad_(True)
+    w_torch = weight.detach().clone().requires_grad_(True)
+    F.linear_cross_entropy(h_torch, w_torch, labels, options=torch.nn.LinearCrossEntropyOptions()).backward()
+
+    FusedLMLoss(logits_dtype=torch.float32)(hidden, weight, labels).backward()
+    for ours, theirs, name in ((hidden.grad, h_torch.grad, "hidden"), (weight.grad, w_torch.grad, "weight")):
+        assert rel_err(ours, grads[name]) <= rel_err(theirs, grads[name]), name
