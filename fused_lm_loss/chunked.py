@@ -12,11 +12,13 @@ so the N x V logits never exist at once. Gradients are produced in forward (scal
 
 Buffers and their precision:
   logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
-  G chunk       same buffer as logits (overwritten in place) unless logits are fp32: then its own
-                buffer in the matmul dtype, so both backward matmuls run on tensor cores
+  G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
+                operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py),
+                so the backward matmuls run on tensor cores yet see G to ~16 bits
   row stats / loss / lse  (rows,)       fp32
   dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
-                                        vocab-parallel: ``accum_dtype`` partials, summed across ranks, then cast
+                                        fp32 (then cast once) with a hi + lo G, and for vocab-parallel
+                                        partials summed across ranks (in ``accum_dtype``)
   dW            (V_shard, H)            ``accum_dtype`` (fp32 default): summed over chunks, so the
                                         narrow dtype would round once per chunk
   db            (V_shard,)              fp32, cast to the bias dtype at the end
@@ -195,20 +197,24 @@ def run_chunks(
     compute_stats = lse is None
 
     logits_dtype = opts.logits_dtype or mm_dtype
-    separate_grad = needs.any() and logits_dtype != mm_dtype
-    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (mm_dtype.itemsize if separate_grad else 0))
+    split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
+    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
     chunk_rows = max(1, min(opts.chunk_size or auto_chunk_rows(bytes_per_row), n_rows))
     logits_buf = torch.empty((chunk_rows, vocab), dtype=logits_dtype, device=device)
-    grad_buf = torch.empty((chunk_rows, vocab), dtype=mm_dtype, device=device) if separate_grad else logits_buf
+    grad_buf, grad_lo_buf = logits_buf, None
+    if split_grad:
+        grad_buf = torch.empty((chunk_rows, vocab), dtype=mm_dtype, device=device)
+        grad_lo_buf = torch.empty_like(grad_buf)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    # A vocab shard's partial dX is summed across ranks in accum_dtype (see distributed.py) where the matmul
-    # writes that dtype directly; upcasting W every chunk instead (CUDA, torch < 2.8) would cost more.
+    # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
+    # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
+    # (CUDA, torch < 2.8) would cost more.
     grad_input_dtype = mm_dtype
     if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
-        grad_input_dtype = shard.grad_input_dtype(mm_dtype, opts)
+        grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
     grad_hidden = _row_grad_buffer(hidden, rows, grad_input_dtype) if needs.hidden else None
     grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, grad_input_dtype) if needs.low_rank_input else None
     grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
@@ -237,9 +243,13 @@ def run_chunks(
             _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
 
         grad = grad_buf[: end - start]
+        grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
+        grad_terms = (grad,) if grad_lo is None else (grad, grad_lo)
         if compute_stats:
             if fuse_stats_and_grad:
-                stats = ops.row_stats_and_grad(logits, grad, target, grad_scale=grad_scale, **kernel_options)
+                stats = ops.row_stats_and_grad(
+                    logits, grad, target, grad_scale=grad_scale, out_lo=grad_lo, **kernel_options
+                )
             else:
                 stats = ops.row_stats(
                     logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
@@ -263,6 +273,7 @@ def run_chunks(
                 lse_rows[start:end],
                 grad_scale=grad_scale,
                 row_scale=None if row_scale is None else row_scale[start:end],
+                out_lo=grad_lo,
                 **kernel_options,
             )
         side = _side_stream(device) if grad_hidden is not None or grad_low_rank_input is not None else None
@@ -270,23 +281,23 @@ def run_chunks(
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if grad_hidden is not None:
-                _store_rows(grad_hidden, rows, start, end, grad, weight)
+                _store_rows(grad_hidden, rows, start, end, grad_terms, weight)
             if grad_low_rank_input is not None:
-                _store_rows(grad_low_rank_input, rows, start, end, grad, low_rank[1])
-        if grad_weight is not None:
-            grad_weight.add(grad.t(), h)
-        if grad_low_rank_weight is not None:
-            grad_low_rank_weight.add(grad.t(), u)
-        if grad_bias is not None:
-            grad_bias += grad.sum(dim=0, dtype=torch.float32)
+                _store_rows(grad_low_rank_input, rows, start, end, grad_terms, low_rank[1])
+        for term in grad_terms:
+            if grad_weight is not None:
+                grad_weight.add(term.t(), h)
+            if grad_low_rank_weight is not None:
+                grad_low_rank_weight.add(term.t(), u)
+            if grad_bias is not None:
+                grad_bias += term.sum(dim=0, dtype=torch.float32)
         if side is not None:  # the next chunk overwrites G
             torch.cuda.current_stream(device).wait_stream(side)
 
-    if opts.reduce_grad_input:
-        if grad_hidden is not None:
-            grad_hidden = shard.sum_partial_grad(grad_hidden, mm_dtype)
-        if grad_low_rank_input is not None:
-            grad_low_rank_input = shard.sum_partial_grad(grad_low_rank_input, mm_dtype)
+    grad_hidden, grad_low_rank_input = (
+        None if partial is None else shard.sum_partial_grad(partial, opts).to(mm_dtype)  # one rounding
+        for partial in (grad_hidden, grad_low_rank_input)
+    )
     grads = (
         grad_hidden,
         None if grad_weight is None else grad_weight.result(weight.dtype),
@@ -303,13 +314,16 @@ def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torc
     return alloc(like.shape, dtype=dtype, device=like.device)
 
 
-def _store_rows(out: torch.Tensor, rows: Rows, start: int, end: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
-    """out[chunk rows] = G @ weight; ``out`` may be wider (fp32) than G and weight."""
-    if rows.index is None:
-        _matmul_accumulate(out[start:end], grad, weight, first=True)
-    else:
+def _store_rows(
+    out: torch.Tensor, rows: Rows, start: int, end: int, grad_terms: tuple, weight: torch.Tensor
+) -> None:
+    """out[chunk rows] = sum(G_k @ weight); ``out`` may be wider (fp32) than the G terms and weight."""
+    part = out[start:end]
+    if rows.index is not None:
         part = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
-        _matmul_accumulate(part, grad, weight, first=True)
+    for k, term in enumerate(grad_terms):
+        _matmul_accumulate(part, term, weight, first=k == 0)
+    if rows.index is not None:
         out.index_copy_(0, rows.index[start:end], part)
 
 

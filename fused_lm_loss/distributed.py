@@ -155,10 +155,10 @@ class Shard:
             return input_dtype
         return torch.promote_types(opts.accum_dtype or input_dtype, input_dtype)
 
-    def sum_partial_grad(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """All-reduce (SUM) a per-token input gradient over the group, then cast it to ``dtype``."""
-        if self.group is not None:
+    def sum_partial_grad(self, partial: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+        """All-reduce (SUM) a per-token input gradient over the group, unless ``reduce_grad_input=False``."""
+        if self.group is not None and opts.reduce_grad_input:
             import torch.distributed as dist
 
             dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
-        return partial.to(dtype)
+        return partial

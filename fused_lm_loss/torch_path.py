@@ -49,6 +49,7 @@ def grad_logits(
     label_smoothing: float,
     vocab_size: int,
     z_loss: float,
+    out_lo: torch.Tensor | None = None,
 ) -> None:
     z, capped = _loss_space(logits, logit_scale, softcap)
     grad = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab_size
@@ -59,6 +60,8 @@ def grad_logits(
     if capped is not None:
         grad *= 1.0 - capped * capped
     out.copy_(grad)
+    if out_lo is not None:
+        out_lo.copy_(grad - out.float())
 
 
 def row_stats_and_grad(
@@ -72,6 +75,7 @@ def row_stats_and_grad(
     label_smoothing: float,
     vocab_size: int,
     z_loss: float,
+    out_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0)
     lse = stats[0] + torch.log(stats[1])
@@ -87,5 +91,6 @@ def row_stats_and_grad(
         label_smoothing=label_smoothing,
         vocab_size=vocab_size,
         z_loss=z_loss,
+        out_lo=out_lo,
     )
     return stats

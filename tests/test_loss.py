@@ -271,4 +271,6 @@ def test_fp32_logits_at_least_as_exact_as_torch_chunked():
 
     FusedLMLoss(logits_dtype=torch.float32)(hidden, weight, labels).backward()
     for ours, theirs, name in ((hidden.grad, h_torch.grad, "hidden"), (weight.grad, w_torch.grad, "weight")):
-        assert rel_err(ours, grads[name]) <= rel_err(theirs, grads[name]), name
+        # The floor: the exact gradient rounded once to bf16. Both land on it (to 0.1%) or above it.
+        floor = rel_err(grads[name].to(torch.bfloat16), grads[name])
+        assert rel_err(ours, grads[name]) <= 1.001 * min(floor, rel_err(theirs, grads[name])), name

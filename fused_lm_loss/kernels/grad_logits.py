@@ -13,7 +13,10 @@ and the chain rule back to the raw matmul output x_ij (z = c * tanh(s * x / c) w
     dz_ij / dx_ij = s * (1 - (z_ij / c)**2)        (just s without softcap)
 
 Each element is finally multiplied by the row's gradient scale (1/num_items for "mean", times the
-GradScaler scale; or the per-token grad_output for reduction="none"). The output may alias the input
+GradScaler scale; or the per-token grad_output for reduction="none"). With a second output (``out_lo``,
+used with fp32 logits) the fp32 gradient is stored as an unevaluated pair hi + lo of the matmul dtype,
+hi = round(g), lo = round(g - hi): ~16 significant bits, so the backward matmuls (one per term, fp32
+accumulation) see G almost as exactly as fp32, at tensor-core speed. The output may alias the input
 (in-place: each element is read, then written, by the same program), which is how the chunk loop
 reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row offsets are int64.
 """
@@ -54,10 +57,20 @@ def grad_block(
 
 
 @triton.jit
+def store_grad(grad_ptr, grad_lo_ptr, offsets, grad, mask, SPLIT: tl.constexpr):
+    """Store fp32 ``grad`` rounded to the output dtype; with SPLIT also the rounding residual in ``grad_lo``."""
+    hi = grad.to(grad_ptr.dtype.element_ty)
+    tl.store(grad_ptr + offsets, hi, mask=mask)
+    if SPLIT:
+        tl.store(grad_lo_ptr + offsets, (grad - hi.to(tl.float32)).to(grad_lo_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _grad_logits_kernel(
     logits_ptr,
     logits_row_stride,
     grad_ptr,
+    grad_lo_ptr,
     grad_row_stride,
     target_ptr,
     lse_ptr,
@@ -71,6 +84,7 @@ def _grad_logits_kernel(
     z_loss,
     HAS_SOFTCAP: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -93,7 +107,7 @@ def _grad_logits_kernel(
         z_loss,
         HAS_SOFTCAP,
     )
-    tl.store(grad_ptr + row * grad_row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    store_grad(grad_ptr, grad_lo_ptr, row * grad_row_stride + cols, grad, mask, SPLIT)
 
 
 def grad_logits(
@@ -109,17 +123,21 @@ def grad_logits(
     label_smoothing: float,
     vocab_size: int,
     z_loss: float,
+    out_lo: torch.Tensor | None = None,
 ) -> None:
-    """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself)."""
+    """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself),
+    and the rounding residual into ``out_lo`` when given."""
     rows, n_cols = logits.shape
     if rows == 0:
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
+    assert out_lo is None or out_lo.stride() == out.stride()
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
         logits,
         logits.stride(0),
         out,
+        out if out_lo is None else out_lo,
         out.stride(0),
         target,
         lse,
@@ -133,6 +151,7 @@ def grad_logits(
         float(z_loss),
         HAS_SOFTCAP=softcap is not None,
         PER_ROW_SCALE=row_scale is not None,
+        SPLIT=out_lo is not None,
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 2048 else 4,
     )

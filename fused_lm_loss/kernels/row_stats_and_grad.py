@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .grad_logits import grad_block
+from .grad_logits import grad_block, store_grad
 from .row_stats import online_row_stats, target_logit
 
 #: Launch shape; the benchmark sweeps these (see benchmarks/NOTES.md).
@@ -30,6 +30,7 @@ def _row_stats_and_grad_kernel(
     logits_ptr,
     logits_row_stride,
     grad_ptr,
+    grad_lo_ptr,
     grad_row_stride,
     target_ptr,
     stats_ptr,
@@ -43,6 +44,7 @@ def _row_stats_and_grad_kernel(
     z_loss,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     offsets = tl.arange(0, BLOCK_V)
@@ -59,7 +61,6 @@ def _row_stats_and_grad_kernel(
         tl.store(stats_ptr + 3 * n_rows + row, row_sum)
 
         lse = row_max + tl.log(row_sumexp)
-        grad_row_ptr = grad_ptr + row * grad_row_stride
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offsets
             mask = cols < n_cols
@@ -77,7 +78,7 @@ def _row_stats_and_grad_kernel(
                 z_loss,
                 HAS_SOFTCAP,
             )
-            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            store_grad(grad_ptr, grad_lo_ptr, row * grad_row_stride + cols, grad, mask, SPLIT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,10 +99,13 @@ def row_stats_and_grad(
     label_smoothing: float,
     vocab_size: int,
     z_loss: float,
+    out_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stats of a (rows, V) chunk, as ``row_stats`` returns them, and its gradient written into ``out``."""
+    """Stats of a (rows, V) chunk, as ``row_stats`` returns them, and its gradient written into ``out``
+    (plus the rounding residual into ``out_lo`` when given, see ``grad_logits``)."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1 and out.stride(1) == 1
+    assert out_lo is None or out_lo.stride() == out.stride()
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows > 0:
         block_v = min(triton.next_power_of_2(n_cols), TUNING["block_v"])
@@ -110,6 +114,7 @@ def row_stats_and_grad(
             logits,
             logits.stride(0),
             out,
+            out if out_lo is None else out_lo,
             out.stride(0),
             target,
             stats,
@@ -123,6 +128,7 @@ def row_stats_and_grad(
             float(z_loss),
             HAS_SOFTCAP=softcap is not None,
             NEED_SUM=label_smoothing > 0,
+            SPLIT=out_lo is not None,
             BLOCK_V=block_v,
             num_warps=TUNING["num_warps"] if block_v >= 2048 else 4,
         )

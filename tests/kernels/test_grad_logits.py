@@ -68,3 +68,27 @@ def test_grad_logits_in_place_and_target_elsewhere():
     assert rel_err(logits, expected) < 1e-6
     assert rel_err(logits[[1, 3]], 0.5 * softmax[[1, 3]]) < 1e-6  # no "- 1" anywhere in those rows
     assert rel_err(logits[0, 3], 0.5 * (softmax[0, 3] - 1)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_output_carries_the_rounding_residual(dtype):
+    """out_lo: G = hi + lo to ~16 significant bits, in both kernels that write gradients."""
+    from fused_lm_loss.kernels import row_stats_and_grad
+
+    logits = torch.randn(6, 1000) * 4  # fp32 logits, as with logits_dtype=torch.float32
+    target = torch.randint(0, 1000, (6,))
+    lse = torch.logsumexp(logits, 1)
+    options = dict(logit_scale=1.0, softcap=None, label_smoothing=0.1, vocab_size=1000, z_loss=0.0)
+    exact = torch.empty_like(logits)
+    torch_path.grad_logits(logits, exact, target, lse, grad_scale=1.0, row_scale=None, **options)
+    hi, lo = torch.empty(6, 1000, dtype=dtype), torch.empty(6, 1000, dtype=dtype)
+    for run in (
+        lambda: grad_logits(logits, hi, target, lse, grad_scale=1.0, row_scale=None, out_lo=lo, **options),
+        lambda: row_stats_and_grad(logits, hi, target, grad_scale=1.0, out_lo=lo, **options),
+        lambda: torch_path.grad_logits(logits, hi, target, lse, grad_scale=1.0, row_scale=None, out_lo=lo, **options),
+    ):
+        hi.fill_(float("nan"))
+        lo.fill_(float("nan"))
+        run()
+        assert rel_err(hi, exact) > 1e-4  # one rounding alone is visibly off
+        assert rel_err(hi.float() + lo.float(), exact) < 2e-5
