@@ -328,6 +328,9 @@ def sweep(shape, record):
         for chunk in (None, 512, 2048, 4096):
             ms, extra = measure(impl_fused(chunk_size=chunk, accum_dtype=accum), x, w, y, "train", budget_ms=800)
             record(**key, impl=f"fused chunk={chunk} accum={accum}", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
+    for chunk in (1024, 2048):
+        ms, extra = measure(impl_fused(chunk_size=chunk, logits_dtype=torch.float32), x, w, y, "train", budget_ms=800)
+        record(**key, impl=f"fused_fp32logits chunk={chunk}", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
     chunked.OVERLAP_GRAD_MATMULS = False
     ms, extra = measure(impl_fused(), x, w, y, "train", budget_ms=800)
     record(**key, impl="fused no-overlap", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
