@@ -310,12 +310,8 @@ def main():
 
 
 def sweep(shape, record):
-    """Chunk sizes and the fused kernel's launch shape, main scenario only."""
-    import importlib
-
+    """Chunk sizes, accumulator dtypes, fp32 logits, and the two-stream overlap; main scenario only."""
     from fused_lm_loss import chunked
-
-    fused_kernel = importlib.import_module("fused_lm_loss.kernels.row_stats_and_grad")
 
     n, h, v = SHAPES[shape]
     x, w, y = make_inputs(n, h, v, dtype=torch.bfloat16)
@@ -323,35 +319,19 @@ def sweep(shape, record):
     floor_ms, _ = time_cuda(run)
     del g
     key = dict(shape=shape, n=n, h=h, v=v, data="realistic", ignore=0.1, mode="train", dtype="bfloat16", sweep=True)
-    default_tuning = dict(fused_kernel.TUNING)
+
+    def point(label, **options):
+        ms, extra = measure(impl_fused(**options), x, w, y, "train", budget_ms=800)
+        record(**key, impl=label, ms=ms, ratio=ms / floor_ms, extra_gib=extra)
+
     for accum in (torch.float32, None):
         for chunk in (None, 512, 2048, 4096):
-            ms, extra = measure(impl_fused(chunk_size=chunk, accum_dtype=accum), x, w, y, "train", budget_ms=800)
-            record(**key, impl=f"fused chunk={chunk} accum={accum}", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
+            point(f"fused chunk={chunk} accum={accum}", chunk_size=chunk, accum_dtype=accum)
     for chunk in (1024, 2048):
-        ms, extra = measure(impl_fused(chunk_size=chunk, logits_dtype=torch.float32), x, w, y, "train", budget_ms=800)
-        record(**key, impl=f"fused_fp32logits chunk={chunk}", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
+        point(f"fused_fp32logits chunk={chunk}", chunk_size=chunk, logits_dtype=torch.float32)
     chunked.OVERLAP_GRAD_MATMULS = False
-    ms, extra = measure(impl_fused(), x, w, y, "train", budget_ms=800)
-    record(**key, impl="fused no-overlap", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
+    point("fused no-overlap")
     chunked.OVERLAP_GRAD_MATMULS = True
-    for tuning in (
-        dict(block_v=8192, num_warps=16, programs_per_sm=1),
-        dict(block_v=4096, num_warps=8, programs_per_sm=2),
-        dict(block_v=2048, num_warps=8, programs_per_sm=2),
-        dict(block_v=8192, num_warps=32, programs_per_sm=1),
-    ):
-        fused_kernel.TUNING.update(tuning)
-        try:
-            ms, extra = measure(impl_fused(), x, w, y, "train", budget_ms=800)
-            record(**key, impl=f"fused {tuning}", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
-        except Exception as e:  # noqa: BLE001
-            record(**key, impl=f"fused {tuning}", error=repr(e)[:200])
-    fused_kernel.TUNING.update(default_tuning)
-    chunked.FUSE_STATS_AND_GRAD = False
-    ms, extra = measure(impl_fused(), x, w, y, "train", budget_ms=800)
-    record(**key, impl="fused two-kernel", ms=ms, ratio=ms / floor_ms, extra_gib=extra)
-    chunked.FUSE_STATS_AND_GRAD = True
 
 
 def write_table(rows, env, out):

@@ -5,6 +5,7 @@ Per chunk of (non-ignored) token rows::
     logits  = h_chunk @ W.T (+ b)             cuBLAS, in the matmul dtype (or fp32: logits_dtype)
     stats   = row_stats(logits)               max, sum-exp, target logit, logit sum   (fp32)
     G       = grad_logits(logits, lse)        fp32 math, stored in the matmul dtype, in place
+    (dX on a second CUDA stream beside dW)
     dX[chunk] = G @ W ;  dW += G.T @ h_chunk ;  db += G.sum(0)
 
 so the N x V logits never exist at once. Gradients are produced in forward (scaled by
@@ -13,8 +14,8 @@ so the N x V logits never exist at once. Gradients are produced in forward (scal
 Buffers and their precision:
   logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
   G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
-                operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py),
-                so the backward matmuls run on tensor cores yet see G to ~16 bits
+                operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
+                dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32
   dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
                                         fp32 (then cast once) with a hi + lo G, and for vocab-parallel
@@ -38,8 +39,6 @@ from .options import LossOptions
 #: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None: 240 MiB, so that with
 #: the small per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
 LOGITS_BUDGET_BYTES = 240 * 2**20
-#: Use the one-launch stats + gradient kernel where it applies (a switch for A/B benchmarks).
-FUSE_STATS_AND_GRAD = True
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
@@ -222,9 +221,6 @@ def run_chunks(
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
 
     smoothing = opts.label_smoothing
-    # One kernel for stats and gradient when nothing must happen in between (vocab-parallel shards
-    # merge their stats between the two).
-    fuse_stats_and_grad = FUSE_STATS_AND_GRAD and compute_stats and needs.any() and shard.group is None
     kernel_options = dict(
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
@@ -244,16 +240,13 @@ def run_chunks(
 
         grad = grad_buf[: end - start]
         grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
-        grad_terms = (grad,) if grad_lo is None else (grad, grad_lo)
+        # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
+        # (benchmarks/NOTES.md), and one GEMM cheaper.
+        dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
         if compute_stats:
-            if fuse_stats_and_grad:
-                stats = ops.row_stats_and_grad(
-                    logits, grad, target, grad_scale=grad_scale, out_lo=grad_lo, **kernel_options
-                )
-            else:
-                stats = ops.row_stats(
-                    logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
-                )
+            stats = ops.row_stats(
+                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
+            )
             row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats)
             chunk_lse = row_max + torch.log(row_sumexp)
             chunk_loss = chunk_lse - (1.0 - smoothing) * target_logit
@@ -265,32 +258,30 @@ def run_chunks(
             lse_rows[start:end] = chunk_lse
         if not needs.any():
             continue
-        if not fuse_stats_and_grad:
-            ops.grad_logits(
-                logits,
-                grad,
-                target,
-                lse_rows[start:end],
-                grad_scale=grad_scale,
-                row_scale=None if row_scale is None else row_scale[start:end],
-                out_lo=grad_lo,
-                **kernel_options,
-            )
+        ops.grad_logits(
+            logits,
+            grad,
+            target,
+            lse_rows[start:end],
+            grad_scale=grad_scale,
+            row_scale=None if row_scale is None else row_scale[start:end],
+            out_lo=grad_lo,
+            **kernel_options,
+        )
         side = _side_stream(device) if grad_hidden is not None or grad_low_rank_input is not None else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if grad_hidden is not None:
-                _store_rows(grad_hidden, rows, start, end, grad_terms, weight)
+                _store_rows(grad_hidden, rows, start, end, dx_terms, weight)
             if grad_low_rank_input is not None:
-                _store_rows(grad_low_rank_input, rows, start, end, grad_terms, low_rank[1])
-        for term in grad_terms:
-            if grad_weight is not None:
-                grad_weight.add(term.t(), h)
-            if grad_low_rank_weight is not None:
-                grad_low_rank_weight.add(term.t(), u)
-            if grad_bias is not None:
-                grad_bias += term.sum(dim=0, dtype=torch.float32)
+                _store_rows(grad_low_rank_input, rows, start, end, dx_terms, low_rank[1])
+        if grad_weight is not None:
+            grad_weight.add(grad.t(), h)
+        if grad_low_rank_weight is not None:
+            grad_low_rank_weight.add(grad.t(), u)
+        if grad_bias is not None:
+            grad_bias += grad.sum(dim=0, dtype=torch.float32)
         if side is not None:  # the next chunk overwrites G
             torch.cuda.current_stream(device).wait_stream(side)
 

@@ -63,34 +63,3 @@ def grad_logits(
     if out_lo is not None:
         out_lo.copy_(grad - out.float())
 
-
-def row_stats_and_grad(
-    logits: torch.Tensor,
-    out: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    grad_scale: float,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    vocab_size: int,
-    z_loss: float,
-    out_lo: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0)
-    lse = stats[0] + torch.log(stats[1])
-    grad_logits(
-        logits,
-        out,
-        target,
-        lse,
-        grad_scale=grad_scale,
-        row_scale=None,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        label_smoothing=label_smoothing,
-        vocab_size=vocab_size,
-        z_loss=z_loss,
-        out_lo=out_lo,
-    )
-    return stats
