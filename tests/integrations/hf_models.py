@@ -21,32 +21,32 @@ COMMON = dict(
 
 
 def _family_configs():
-    t = transformers
+    """family -> (config class, model class, config overrides); class names, as old transformers lack some."""
     return {
-        "llama": (t.LlamaConfig, t.LlamaForCausalLM, {}),
-        "llama_tied": (t.LlamaConfig, t.LlamaForCausalLM, {"tie_word_embeddings": True}),
-        "mistral": (t.MistralConfig, t.MistralForCausalLM, {"sliding_window": 8}),
-        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {}),
-        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, {"head_dim": 8}),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
         "gemma2": (
-            t.Gemma2Config,
-            t.Gemma2ForCausalLM,
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
             {"head_dim": 8, "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 8, "sliding_window": 8},
         ),
         "gemma3": (
-            t.Gemma3TextConfig,
-            t.Gemma3ForCausalLM,
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
             {"head_dim": 8, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 8, "sliding_window": 8},
         ),
-        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
         "mixtral": (
-            t.MixtralConfig,
-            t.MixtralForCausalLM,
+            "MixtralConfig",
+            "MixtralForCausalLM",
             {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1},
         ),
         "qwen3_moe": (
-            t.Qwen3MoeConfig,
-            t.Qwen3MoeForCausalLM,
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
             {
                 "head_dim": 8,
                 "num_experts": 4,
@@ -56,8 +56,8 @@ def _family_configs():
                 "router_aux_loss_coef": 0.1,
             },
         ),
-        "cohere": (t.CohereConfig, t.CohereForCausalLM, {"logit_scale": 0.5}),
-        "granite": (t.GraniteConfig, t.GraniteForCausalLM, {"logits_scaling": 4.0}),
+        "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+        "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 4.0}),
     }
 
 
@@ -65,7 +65,10 @@ FAMILIES = list(_family_configs())
 
 
 def make_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
-    config_cls, model_cls, extra = _family_configs()[family]
+    config_name, model_name, extra = _family_configs()[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(seed)
     config = config_cls(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"

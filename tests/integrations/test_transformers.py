@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import fused_lm_loss
+import transformers
+import transformers.loss.loss_utils
 from fused_lm_loss import FusedLMLoss
 
 from hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
@@ -25,7 +27,12 @@ def _train_step(model, **batch):
 def test_family_matches_unpatched(family):
     model = make_model(family)
     ref = twin(model)
-    fused_lm_loss.patch(model)
+    try:
+        fused_lm_loss.patch(model)
+    except TypeError as error:  # transformers 4.x: some families still compute their loss inline
+        if "self.loss_function" in str(error) and transformers.__version__.startswith("4."):
+            pytest.skip(str(error))
+        raise
     batch = make_batch()
 
     out, got = _train_step(model, **batch)
@@ -78,6 +85,11 @@ def test_num_items_in_batch(as_tensor):
     assert_close_grads(got, want)
 
 
+@pytest.mark.skipif(
+    not hasattr(transformers.loss.loss_utils, "fixed_cross_entropy")
+    or "shift_labels" not in inspect.signature(transformers.loss.loss_utils.ForCausalLMLoss).parameters,
+    reason="this transformers has no shift_labels / logits_to_keep",
+)
 def test_shift_labels_and_logits_to_keep():
     model = make_model()
     ref = twin(model)
