@@ -112,3 +112,23 @@ def test_unpatch_peft_model():
     fused, _ = _pair(target_modules=["lm_head"])
     fused_lm_loss.unpatch(fused)
     assert fused(**make_batch()).logits is not None
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_base_with_fp32_adapters(autocast):
+    """peft keeps adapters in fp32 next to a bf16 base (or runs under autocast): bf16-level agreement."""
+    base = make_model("gemma2")
+    if not autocast:
+        base = base.bfloat16()
+    config = dict(target_modules=["q_proj", "lm_head"])
+    ref, fused = _peft(twin(base), **config), _peft(base, **config)
+    fused_lm_loss.patch(fused)
+    assert all(p.dtype == torch.float32 for n, p in fused.named_parameters() if "lora_" in n)
+    results = []
+    for model in (fused, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, got = _step(model, **make_batch())
+        results.append((out.loss.detach().float(), got))
+    (loss, got), (want_loss, want) = results
+    assert rel_err(loss, want_loss) <= 1e-3
+    assert_close_grads(got, want, tol=3e-2)
