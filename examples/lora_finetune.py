@@ -20,6 +20,7 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -61,12 +62,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--chunk-size",
         type=int,
-        default=None if torch.cuda.is_available() else 64,
-        help="token rows per fused-loss chunk (default: automatic on CUDA; 64 on CPU, where the automatic "
+        help="token rows per fused-loss chunk (default: automatic on GPU; 64 on CPU, where the automatic "
         "size, made for a 256 MiB GPU budget, would take this small batch in one chunk)",
     )
     parser.add_argument("--bench-steps", type=int, default=10, help="timed steps per variant in the comparison")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.chunk_size is None and torch.device(args.device).type == "cpu":
+        args.chunk_size = 64
+    return args
 
 
 def load_model(args: argparse.Namespace, seed: int = 0):
@@ -75,7 +78,9 @@ def load_model(args: argparse.Namespace, seed: int = 0):
 
     torch.manual_seed(seed)
     if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        if args.device == "cpu":  # bf16 matmuls are slow on most CPUs
+            model = model.float()
         ids = AutoTokenizer.from_pretrained(args.model)(TEXT * 4)["input_ids"]
     else:
         config = LlamaConfig(
@@ -106,7 +111,8 @@ def random_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator:
 
 
 def train_step(model, optimizer, batch: torch.Tensor, device: str) -> float:
-    with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    device_type = torch.device(device).type
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
         loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
@@ -151,25 +157,25 @@ def benchmark(args: argparse.Namespace, fused: bool) -> dict:
     batches = [random_batch(tokens, args.batch_size, args.seq_len, generator) for _ in range(args.bench_steps + 2)]
     for batch in batches[:2]:  # warm-up: allocator, optimizer state
         train_step(model, optimizer, batch, args.device)
-    cuda = args.device.startswith("cuda")
+    cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_bytes()
-    start = time.perf_counter()
+    times = []
     for batch in batches[2:]:
-        train_step(model, optimizer, batch, args.device)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.bench_steps
+        start = time.perf_counter()
+        train_step(model, optimizer, batch, args.device)  # .item() inside: synchronizes
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)  # robust to a busy machine
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        # ru_maxrss is in KiB on Linux; the warm-up steps already reached about the same peak, so take the
-        # larger of "peak since start" and "now" minus the RSS before the timed steps
-        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _rss_bytes()) - base
+        # ru_maxrss (KiB on Linux) is the process's lifetime peak, reached during one of the (identical)
+        # steps; minus the RSS between steps it approximates one step's transient memory
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {"seconds": seconds, "peak": max(peak, 0)}
 
 
@@ -180,11 +186,12 @@ def compare(args: argparse.Namespace) -> None:
     for name, fused in (("fused_lm_loss.patch", True), ("unpatched", False)):
         with mp.get_context("spawn").Pool(1) as pool:  # a fresh process: clean peak statistics
             results[name] = pool.apply(benchmark, (args, fused))
-    what = "peak extra memory" if args.device.startswith("cuda") else "peak RSS growth"
-    print(f"{'':22s}{what:>20s}{'time / step':>14s}")
+    cuda = torch.device(args.device).type == "cuda"
+    what = "peak extra memory" if cuda else "peak RSS growth"
+    print(f"{'':22s}{what:>20s}{'median step':>14s}")
     for name, r in results.items():
         print(f"{name:22s}{r['peak'] / 2**20:>16.1f} MiB{r['seconds'] * 1e3:>11.1f} ms")
-    if not args.device.startswith("cuda"):
+    if not cuda:
         print("(CPU: peak RSS growth is coarse; on CUDA this is torch.cuda.max_memory_allocated)")
 
 
