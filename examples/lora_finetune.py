@@ -5,7 +5,8 @@
     python examples/lora_finetune.py --model ./my-hf-dir  # a local Hugging Face causal LM and its tokenizer
 
 LoRA adapts attention, MLP and (by default) lm_head; the lm_head adapter is fused into the loss as a
-low-rank term, so its gradients are exact too. The model trains on a short built-in text (byte-level tokens, or the model's tokenizer with --model).
+low-rank term, so its gradients are exact too. The model trains on a short built-in text (byte-level
+tokens, or the model's tokenizer with --model).
 The one line that matters is ``fused_lm_loss.patch(model)``: in training the logits are never
 materialized (``outputs.logits`` is None) while the loss and gradients stay those of the model.
 
@@ -101,7 +102,9 @@ def add_lora(model, lm_head: bool):
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets + (["lm_head"] if lm_head else []))
+    if lm_head:
+        targets.append("lm_head")
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets)
     return get_peft_model(model, config)
 
 

@@ -57,7 +57,9 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
 
     After patching, ``model.loss_function = FusedLMLoss(label_smoothing=0.1)`` reconfigures the loss
     (transformers alone would silently ignore an ``nn.Module`` assigned there); assigning any other
-    callable makes the model compute logits and call it, as transformers does.
+    callable makes the model compute logits and call it, as transformers does. With ``Trainer``, use
+    ``FusedLMLoss(label_smoothing=...)`` rather than ``label_smoothing_factor`` (Trainer then withholds the
+    labels from the model and smooths the full logits itself).
 
     Example::
 
@@ -118,6 +120,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model inside a PeftModel) is patched."""
     return getattr(_causal_lm(model), _STATE_ATTR, None) is not None
 
 
@@ -168,7 +171,8 @@ def _merge_options(user: LossOptions, model_options: dict, grad_scaler: Any, mod
             )
     if user.process_group is not None:
         raise ValueError("patch() does not handle a vocab-parallel FusedLMLoss (process_group); use the core API")
-    return dataclasses.replace(user, **model_options, grad_scaler=user.grad_scaler or grad_scaler)
+    scaler = grad_scaler if user.grad_scaler is None else user.grad_scaler
+    return dataclasses.replace(user, **model_options, grad_scaler=scaler)
 
 
 def _loss_function_get(self: nn.Module) -> Any:
@@ -225,10 +229,8 @@ class _FusedForward:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError:
             return self.inner(*args, **kwargs)  # let the model report its own argument error
-        extra = next(
-            (v for k, v in bound.arguments.items() if self.__signature__.parameters[k].kind is inspect.Parameter.VAR_KEYWORD),
-            {},
-        )
+        params = self.__signature__.parameters
+        extra = next((v for k, v in bound.arguments.items() if params[k].kind is inspect.Parameter.VAR_KEYWORD), {})
         labels = bound.arguments.get("labels", extra.get("labels"))
         if labels is None:
             return self.inner(*args, **kwargs)

@@ -42,7 +42,12 @@ def _family_configs():
         "mixtral": (
             "MixtralConfig",
             "MixtralForCausalLM",
-            {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1},
+            {
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "output_router_logits": True,
+                "router_aux_loss_coef": 0.1,
+            },
         ),
         "qwen3_moe": (
             "Qwen3MoeConfig",
