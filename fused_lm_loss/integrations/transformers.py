@@ -376,8 +376,8 @@ class _FusedCall:
     def finish(self, outputs: Any) -> Any:
         """Check the forward went through lm_head and loss_function; drop the probe logits."""
         name = type(self.model).__name__
-        if self.loss is None:
-            raise RuntimeError(f"fused_lm_loss: {name}.forward never called its lm_head; not supported")
+        if self.loss is None:  # a path that never projects (e.g. TRL's own fused head): nothing was replaced
+            return outputs
         if self.logits is None:
             raise RuntimeError(
                 f"fused_lm_loss: {name}.forward did not pass its logits to self.loss_function; not supported"

@@ -73,7 +73,8 @@ def test_trainer_fp16_grad_scaler(tmp_path):
     assert run(True) == pytest.approx(run(False), rel=1e-2)
 
 
-def test_sft_trainer(tmp_path):
+@pytest.mark.parametrize("patch_after_trainer", [False, True])
+def test_sft_trainer(tmp_path, patch_after_trainer):
     """A patched model under SFTTrainer trains exactly like an unpatched one. (Recent TRL runs its own fused
     LM head through ``fused_lm_head=True`` forwards, which bypass the patch; older TRL calls the patched forward.)"""
     trl = pytest.importorskip("trl")
@@ -81,7 +82,7 @@ def test_sft_trainer(tmp_path):
 
     def run(patched):
         model = make_model()
-        if patched:
+        if patched and not patch_after_trainer:
             fused_lm_loss.patch(model)
         rows = [{"input_ids": r["input_ids"].tolist()} for r in _dataset()]
         config = trl.SFTConfig(
@@ -91,6 +92,8 @@ def test_sft_trainer(tmp_path):
         trainer = trl.SFTTrainer(
             model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer()
         )
+        if patched and patch_after_trainer:
+            fused_lm_loss.patch(trainer.model)
         trainer.train()
         return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
