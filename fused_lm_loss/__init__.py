@@ -2,9 +2,12 @@
 
     from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
     loss = FusedLMLoss()(hidden, lm_head.weight, labels)
+
+    model = fused_lm_loss.patch(model)     # a Hugging Face causal LM (or peft model) trains with it
 """
 from .chunked import use_backend
+from .integrations import patch, unpatch
 from .loss import FusedLMLoss, fused_linear_cross_entropy
 
-__all__ = ["FusedLMLoss", "fused_linear_cross_entropy", "use_backend"]
+__all__ = ["FusedLMLoss", "fused_linear_cross_entropy", "patch", "unpatch", "use_backend"]
 __version__ = "0.1.0"

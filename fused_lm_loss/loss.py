@@ -100,6 +100,8 @@ class FusedLMLoss(nn.Module):
     ``scaling`` overrides the grad_scaler's scale for this call. ``low_rank=(u, B)`` with u (..., r) and
     B (V, r) adds u @ B.T to the logits: a LoRA adapter on lm_head (u = s * dropout(h) @ A.T, B = lora_B).
     Gradients are computed during forward; backward only rescales them.
+    transformers' loss signature ``loss_fn(logits, labels, vocab_size, **kwargs)`` works too, on logits that
+    already carry the model's softcap / scale (see ``integrations.transformers.loss_from_logits``).
 
     Example::
 
@@ -146,15 +148,28 @@ class FusedLMLoss(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
+        hidden: torch.Tensor | None = None,  # defaults only so transformers' keyword call binds
+        weight: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         *,
         num_items_in_batch: Any = None,
         scaling: float | None = None,
         low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **hf_kwargs: Any,
     ) -> torch.Tensor:
+        if "logits" in hf_kwargs or "vocab_size" in hf_kwargs or isinstance(labels, int):
+            # transformers' loss_function call: (logits, labels, vocab_size, **kwargs), logits materialized
+            from .integrations.transformers import loss_from_logits
+
+            logits = hf_kwargs.pop("logits", hidden)
+            hf_labels = labels if isinstance(labels, torch.Tensor) else weight
+            vocab = hf_kwargs.pop("vocab_size", labels)
+            return loss_from_logits(
+                self.options, logits, hf_labels, vocab, num_items_in_batch=num_items_in_batch, **hf_kwargs
+            )
+        if hf_kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)}")
         return fused_lm_loss(
             hidden,
             weight,

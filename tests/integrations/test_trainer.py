@@ -1,0 +1,108 @@
+"""Trainer (and TRL's SFTTrainer when installed): per-step losses and final parameters match an unpatched run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_lm_loss
+
+from hf_models import VOCAB, make_model, rel_err
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def _dataset(n=16, seq=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (seq,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, seq - 2, (1,), generator=g))] = -100  # ragged prompts: num_items matters
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def _train(tmp_path, patched, grad_accum, **args):
+    model = make_model()
+    if patched:
+        fused_lm_loss.patch(model)
+    config = transformers.TrainingArguments(
+        output_dir=str(tmp_path / f"run_{patched}_{grad_accum}"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=grad_accum,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        **args,
+    )
+    trainer = transformers.Trainer(model=model, args=config, train_dataset=_dataset())
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("grad_accum", [2, 4])
+def test_trainer_gradient_accumulation_parity(tmp_path, grad_accum):
+    losses, params = _train(tmp_path, True, grad_accum)
+    want_losses, want_params = _train(tmp_path, False, grad_accum)
+    assert len(losses) == 3
+    assert losses == pytest.approx(want_losses, rel=2e-4)
+    for name, value in want_params.items():
+        assert rel_err(params[name], value) <= 2e-4, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 GradScaler training needs CUDA")
+def test_trainer_fp16_grad_scaler(tmp_path):
+    def run(patched):
+        model = make_model().cuda()
+        config = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"fp16_{patched}"), per_device_train_batch_size=2, max_steps=3,
+            logging_steps=1, report_to=[], save_strategy="no", fp16=True, seed=0,
+        )
+        trainer = transformers.Trainer(model=model, args=config, train_dataset=_dataset())
+        if patched:  # the documented wiring: the scaler reaches the fused loss
+            fused_lm_loss.patch(model, grad_scaler=trainer.accelerator.scaler)
+        trainer.train()
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+    assert run(True) == pytest.approx(run(False), rel=1e-2)
+
+
+@pytest.mark.parametrize("patch_after_trainer", [False, True])
+def test_sft_trainer(tmp_path, patch_after_trainer):
+    """A patched model under SFTTrainer trains exactly like an unpatched one. (Recent TRL runs its own fused
+    LM head through ``fused_lm_head=True`` forwards, which bypass the patch; older TRL calls the patched forward.)"""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+
+    def run(patched):
+        model = make_model()
+        if patched and not patch_after_trainer:
+            fused_lm_loss.patch(model)
+        rows = [{"input_ids": r["input_ids"].tolist()} for r in _dataset()]
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path / f"sft_{patched}"), per_device_train_batch_size=2, max_steps=3,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, learning_rate=1e-3,
+        )
+        trainer = trl.SFTTrainer(
+            model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer()
+        )
+        if patched and patch_after_trainer:
+            fused_lm_loss.patch(trainer.model)
+        trainer.train()
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+    assert run(True) == pytest.approx(run(False), rel=2e-4)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    fast = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")

@@ -1,0 +1,270 @@
+"""patch() on tiny random Hugging Face causal LMs: loss and every gradient equal the unpatched model."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_lm_loss
+import transformers
+import transformers.loss.loss_utils
+from fused_lm_loss import FusedLMLoss
+
+from hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
+
+
+def _train_step(model, **batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out, grads(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_unpatched(family):
+    model = make_model(family)
+    ref = twin(model)
+    try:
+        fused_lm_loss.patch(model)
+    except TypeError as error:  # transformers 4.x: some families still compute their loss inline
+        if "self.loss_function" in str(error) and transformers.__version__.startswith("4."):
+            pytest.skip(str(error))
+        raise
+    batch = make_batch()
+
+    out, got = _train_step(model, **batch)
+    want_out, want = _train_step(ref, **batch)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
+    assert_close_grads(got, want)
+    if family in ("mixtral", "qwen3_moe"):  # router aux loss reached the fused loss
+        assert out.aux_loss is not None
+        assert rel_err(out.aux_loss.detach(), want_out.aux_loss.detach()) <= 2e-4
+
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        got_eval, want_eval = model(**batch), ref(**batch)
+    assert torch.equal(got_eval.logits, want_eval.logits)
+    assert torch.equal(got_eval.loss, want_eval.loss)
+
+
+def test_tied_embeddings_gradient_reaches_embedding():
+    model = make_model("llama_tied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    _, got = _train_step(model, **make_batch())
+    _, want = _train_step(ref, **make_batch())
+    assert_close_grads(got, want)  # one shared parameter: lm_head and embedding gradients summed
+
+
+def test_triton_interpreter_backend():
+    model = make_model("gemma2")
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    with fused_lm_loss.use_backend("triton"):
+        out, got = _train_step(model, **make_batch(seq=8))
+    want_out, want = _train_step(ref, **make_batch(seq=8))
+    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
+    assert_close_grads(got, want)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_num_items_in_batch(as_tensor):
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    n = torch.tensor(37) if as_tensor else 37
+    out, got = _train_step(model, **make_batch(), num_items_in_batch=n)
+    want_out, want = _train_step(ref, **make_batch(), num_items_in_batch=n)
+    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
+    assert_close_grads(got, want)
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers.loss.loss_utils, "fixed_cross_entropy")
+    or "shift_labels" not in inspect.signature(transformers.loss.loss_utils.ForCausalLMLoss).parameters,
+    reason="this transformers has no shift_labels / logits_to_keep",
+)
+def test_shift_labels_and_logits_to_keep():
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = make_batch()
+    shift = torch.randint(0, VOCAB, (2, 5))
+    shift[1, 0] = -100
+    kwargs = dict(batch, shift_labels=shift, logits_to_keep=5)
+    out, got = _train_step(model, **kwargs)
+    want_out, want = _train_step(ref, **kwargs)
+    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
+    assert_close_grads(got, want)
+
+
+def test_positional_labels_and_tuple_output():
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = make_batch()
+    # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, ...)
+    labels_pos = list(inspect.signature(ref.forward).parameters).index("labels")
+    args = [batch["input_ids"]] + [None] * (labels_pos - 1) + [batch["labels"]]
+    out = model(*args, return_dict=False)
+    want = ref(*args, return_dict=False)
+    assert len(out) == len(want) - 1  # the logits are left out, as transformers leaves out None
+    assert rel_err(out[0].detach(), want[0].detach()) <= 2e-4
+
+
+def test_generate_and_no_labels_unchanged():
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    ids = make_batch()["input_ids"][:, :5]
+    out = model(input_ids=ids)  # training mode, no labels: original forward
+    assert torch.equal(out.logits, ref(input_ids=ids).logits)
+    model.eval()
+    ref.eval()
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_unpatch_restores_everything():
+    model = make_model()
+    cls, forward = type(model), model.forward
+    fused_lm_loss.patch(model)
+    assert type(model).__name__ == cls.__name__  # save_pretrained records the real architecture
+    assert "input_ids" in inspect.signature(model.forward).parameters  # Trainer keeps its columns
+    assert any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    fused_lm_loss.unpatch(model)
+    assert type(model) is cls and "forward" not in vars(model) and model.forward == forward
+    assert model(**make_batch()).logits is not None
+    with pytest.raises(RuntimeError, match="not patched"):
+        fused_lm_loss.unpatch(model)
+
+
+def test_deepcopy_of_patched_model_is_independent():
+    model = fused_lm_loss.patch(make_model())
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.lm_head.weight.add_(1.0)
+    assert clone(**make_batch()).loss != model(**make_batch()).loss
+
+
+def _smoothed_reference(model, batch, smoothing):
+    logits = model(input_ids=batch["input_ids"]).logits
+    targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing)
+
+
+def test_loss_function_assignment_on_patched_model():
+    model = make_model("gemma2")
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    loss_fn = FusedLMLoss(label_smoothing=0.1)
+    model.loss_function = loss_fn
+    assert model.loss_function is loss_fn and "loss_function" not in model._modules
+    batch = make_batch()
+    out, got = _train_step(model, **batch)
+    ref.zero_grad()
+    want_loss = _smoothed_reference(ref, batch, 0.1)  # softcap comes from the config
+    want_loss.backward()
+    assert rel_err(out.loss.detach(), want_loss.detach()) <= 2e-4
+    assert_close_grads(got, grads(ref))
+    model.eval()  # eval: the same loss on the materialized logits
+    assert rel_err(model(**batch).loss.detach(), want_loss.detach()) <= 2e-4
+
+
+def test_loss_function_assignment_on_unpatched_model_patches_it():
+    model = make_model()
+    ref = twin(model)
+    model.loss_function = FusedLMLoss(label_smoothing=0.2)  # transformers alone would ignore this
+    assert fused_lm_loss.integrations.transformers.is_patched(model)
+    batch = make_batch()
+    out = model(**batch)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), _smoothed_reference(ref, batch, 0.2).detach()) <= 2e-4
+    fused_lm_loss.unpatch(model)
+    assert "loss_function" not in model._modules
+
+
+def test_other_callable_loss_function_gets_logits():
+    model = fused_lm_loss.patch(make_model())
+    seen = []
+
+    def my_loss(logits, labels, vocab_size, **kwargs):
+        seen.append(logits.shape)
+        return logits.float().logsumexp(-1).mean()
+
+    model.loss_function = my_loss
+    out = model(**make_batch())
+    assert seen == [(2, 12, VOCAB)] and out.logits is not None
+
+
+def test_contradicting_softcap_is_rejected():
+    model = fused_lm_loss.patch(make_model("gemma2"))
+    with pytest.raises(ValueError, match="softcap"):
+        model.loss_function = FusedLMLoss(softcap=50.0)
+
+
+def test_grad_scaler_scale_reaches_the_loss():
+    class CountingScaler:
+        calls = 0
+
+        def get_scale(self):
+            self.calls += 1
+            return 1024.0
+
+    scaler = CountingScaler()
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model, grad_scaler=scaler)
+    batch = make_batch()
+    (model(**batch).loss * 1024.0).backward()  # what scaler.scale(loss).backward() does
+    _, want = _train_step(ref, **batch)
+    assert scaler.calls == 1
+    assert_close_grads({n: g / 1024.0 for n, g in grads(model).items()}, want)
+
+
+def test_transformers_loss_signature_on_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, VOCAB, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 7))
+    labels[0, 2] = -100
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    want = ForCausalLMLoss(logits, labels, VOCAB, num_items_in_batch=torch.tensor(9))
+    (want_grad,) = torch.autograd.grad(want, logits)
+    loss_fn = FusedLMLoss()
+    for got in (
+        loss_fn(logits, labels, VOCAB, num_items_in_batch=torch.tensor(9)),
+        loss_fn(logits=logits, labels=labels, vocab_size=VOCAB, num_items_in_batch=torch.tensor(9)),
+    ):
+        (got_grad,) = torch.autograd.grad(got, logits)
+        assert rel_err(got.detach(), want.detach()) <= 1e-5
+        assert rel_err(got_grad, want_grad) <= 1e-5
+    half = logits.detach().bfloat16().requires_grad_()
+    loss_fn(logits=half, labels=labels, vocab_size=VOCAB).backward()
+    assert half.grad.dtype == torch.bfloat16  # no fp32 copy of the logits is kept
+
+
+def test_unsupported_models_raise_naming_the_class():
+    from transformers import LlamaModel
+
+    with pytest.raises(TypeError, match="LlamaModel"):
+        fused_lm_loss.patch(LlamaModel(make_model().config))
+
+    class DoubledLogits(type(make_model())):  # a forward that scales logits unknown to the config
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state) * 2.0
+            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+            return transformers_output(loss=loss, logits=logits)
+
+    from transformers.modeling_outputs import CausalLMOutput as transformers_output
+
+    model = DoubledLogits(make_model().config).train()
+    fused_lm_loss.patch(model)
+    with pytest.raises(RuntimeError, match="DoubledLogits"):
+        model(**make_batch())
