@@ -1,13 +1,15 @@
 import os
 
-# The same suite runs on a GPU (the device tool's H200) with FUSED_LM_LOSS_TEST_DEVICE=cuda. On CPU the
-# Triton interpreter must be chosen before triton is first imported: it lets the kernels run on CPU tensors.
+import torch
+
+# The same suite runs on a GPU (the device tool's H200) with FUSED_LM_LOSS_TEST_DEVICE=cuda. Without a GPU,
+# the Triton interpreter runs the kernels on CPU tensors; it must be chosen before triton is first imported
+# (importing torch does not import triton).
 TEST_DEVICE = os.environ.get("FUSED_LM_LOSS_TEST_DEVICE", "cpu")
-if TEST_DEVICE == "cpu":
+if TEST_DEVICE == "cpu" and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import fused_lm_loss  # noqa: E402
 
@@ -15,15 +17,19 @@ if TEST_DEVICE != "cpu":
     torch.set_default_device(TEST_DEVICE)
 
 
-def _triton_available() -> bool:
+def triton_kernels_can_run() -> bool:
+    """Triton installed, and either a GPU test run or the interpreter for CPU tensors."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return True
+    return TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_available(), reason="no triton"))]
+requires_triton = pytest.mark.skipif(
+    not triton_kernels_can_run(), reason="Triton kernels need triton and a GPU run or TRITON_INTERPRET=1"
+)
+BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
 
 
 @pytest.fixture(params=BACKENDS)

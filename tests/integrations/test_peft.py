@@ -8,7 +8,7 @@ import fused_lm_loss
 from fused_lm_loss import FusedLMLoss
 
 peft = pytest.importorskip("peft")
-from hf_models import assert_close_grads, grads, make_batch, make_model, rel_err, twin  # noqa: E402
+from .hf_models import assert_close_grads, grads, make_batch, make_model, rel_err, twin  # noqa: E402
 
 
 def _peft(model, seed=0, **config):

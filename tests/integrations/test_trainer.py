@@ -6,7 +6,7 @@ import torch
 
 import fused_lm_loss
 
-from hf_models import VOCAB, make_model, rel_err
+from .hf_models import VOCAB, make_model, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -13,7 +13,8 @@ import transformers
 import transformers.loss.loss_utils
 from fused_lm_loss import FusedLMLoss
 
-from hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
+from ..conftest import requires_triton
+from .hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
 
 
 def _train_step(model, **batch):
@@ -62,6 +63,7 @@ def test_tied_embeddings_gradient_reaches_embedding():
     assert_close_grads(got, want)  # one shared parameter: lm_head and embedding gradients summed
 
 
+@requires_triton
 def test_triton_interpreter_backend():
     model = make_model("gemma2")
     ref = twin(model)

@@ -6,7 +6,9 @@ from fused_lm_loss import torch_path
 
 from ..reference import rel_err
 
-triton = pytest.importorskip("triton")
+from ..conftest import requires_triton
+
+pytestmark = requires_triton
 from fused_lm_loss.kernels import grad_logits  # noqa: E402
 
 
