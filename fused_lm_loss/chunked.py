@@ -170,6 +170,29 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
 _HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
+def row_loss(
+    row_max: torch.Tensor,
+    row_sumexp: torch.Tensor,
+    target_logit: torch.Tensor,
+    logit_sum: torch.Tensor,
+    *,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and lse (fp32) from row statistics over the whole vocabulary::
+
+    loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
+    """
+    lse = row_max + torch.log(row_sumexp)
+    loss = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing > 0:
+        loss -= (label_smoothing / vocab_size) * logit_sum
+    if z_loss > 0:
+        loss += z_loss * lse * lse
+    return loss, lse
+
+
 def run_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -247,15 +270,9 @@ def run_chunks(
             stats = ops.row_stats(
                 logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
-            row_max, row_sumexp, target_logit, logit_sum = shard.merge_stats(*stats)
-            chunk_lse = row_max + torch.log(row_sumexp)
-            chunk_loss = chunk_lse - (1.0 - smoothing) * target_logit
-            if smoothing > 0:
-                chunk_loss -= (smoothing / shard.total) * logit_sum
-            if opts.z_loss > 0:
-                chunk_loss += opts.z_loss * chunk_lse * chunk_lse
-            loss_rows[start:end] = chunk_loss
-            lse_rows[start:end] = chunk_lse
+            loss_rows[start:end], lse_rows[start:end] = row_loss(
+                *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
+            )
         if not needs.any():
             continue
         ops.grad_logits(

@@ -447,14 +447,9 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         for start in range(0, rows.count, step):
             end = min(start + step, rows.count)
             z = rows.gather(logits, start, end)
-            row_max, sumexp, target_logit, logit_sum = ops.row_stats(
-                z, rows.target[start:end], logit_scale=1.0, softcap=None, need_sum=smoothing > 0
-            )
-            chunk_lse = row_max + torch.log(sumexp)
-            lse[start:end] = chunk_lse
-            loss[start:end] = (
-                chunk_lse - (1.0 - smoothing) * target_logit - (smoothing / vocab) * logit_sum
-                + opts.z_loss * chunk_lse * chunk_lse
+            stats = ops.row_stats(z, rows.target[start:end], logit_scale=1.0, softcap=None, need_sum=smoothing > 0)
+            loss[start:end], lse[start:end] = chunked.row_loss(
+                *stats, label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=vocab
             )
         ctx.save_for_backward(logits)
         ctx.rows, ctx.lse, ctx.opts, ctx.step = rows, lse, opts, step
