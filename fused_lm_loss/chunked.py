@@ -5,8 +5,7 @@ Per chunk of (non-ignored) token rows::
     logits  = h_chunk @ W.T (+ b)             cuBLAS, in the matmul dtype (or fp32: logits_dtype)
     stats   = row_stats(logits)               max, sum-exp, target logit, logit sum   (fp32)
     G       = grad_logits(logits, lse)        fp32 math, stored in the matmul dtype, in place
-    (dX on a second CUDA stream beside dW)
-    dX[chunk] = G @ W ;  dW += G.T @ h_chunk ;  db += G.sum(0)
+    dX[chunk] = G @ W ;  dW += G.T @ h_chunk ;  db += G.sum(0)     (on CUDA, dX on a second stream)
 
 so the N x V logits never exist at once. Gradients are produced in forward (scaled by
 ``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
@@ -42,6 +41,8 @@ LOGITS_BUDGET_BYTES = 240 * 2**20
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
+#: torch >= 2.8 lets cuBLAS write fp32 products of bf16/fp16 operands directly (``out_dtype``).
+_HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 _forced_backend: str | None = None
 
@@ -113,7 +114,7 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
     return Rows(index=index, target=shard.local_target(target), count=count)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GradNeeds:
     """Which gradients to produce: the autograd inputs' requires_grad, nothing else."""
 
@@ -165,9 +166,6 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
         torch.mm(a, b, out=acc)
     else:
         acc.addmm_(a, b)
-
-
-_HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def row_loss(
