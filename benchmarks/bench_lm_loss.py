@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fused_lm_loss  # noqa: E402
 from fused_lm_loss import FusedLMLoss  # noqa: E402
 
 SHAPES = {
