@@ -15,7 +15,14 @@ and, in one pass over the row with an online softmax, writes four fp32 numbers::
 
 The four are returned separately (not as lse) so that vocab-parallel shards can merge them:
 max by all-reduce(MAX), then s_i * exp(m_i - M_i), target and sum by all-reduce(SUM).
-One program handles one row; row offsets are int64 because rows x V passes 2**31.
+
+A chunk holds only a few hundred rows, too few programs to keep HBM busy if each read a whole row, so
+each row is split into segments of SEGMENT_COLS columns: one program per (row, segment) writes partial
+(m, s, sum), and a second, tiny kernel merges a row's segments the same way vocab shards are merged::
+
+    M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
+
+Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
 
@@ -60,30 +67,75 @@ def target_logit(row_ptr, target, logit_scale, softcap, HAS_SOFTCAP: tl.constexp
     return tl.where(has_target, z, 0.0)
 
 
+#: Columns per program; 16384 bf16 values = 32 KiB per row segment.
+SEGMENT_COLS = 16384
+
+
 @triton.jit
-def _row_stats_kernel(
+def _segment_stats_kernel(
     logits_ptr,
     logits_row_stride,
     target_ptr,
-    stats_ptr,
+    partial_ptr,
     n_rows,
     n_cols,
     logit_scale,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
+    SEGMENT_COLS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
+    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
     row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
     row_ptr = logits_ptr + row * logits_row_stride
-    row_max, row_sumexp, row_sum = online_row_stats(
-        row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP, NEED_SUM, BLOCK_V
+    first_col = segment * SEGMENT_COLS
+    seg_max, seg_sumexp, seg_sum = online_row_stats(
+        row_ptr + first_col,
+        tl.minimum(n_cols - first_col, SEGMENT_COLS),
+        logit_scale,
+        softcap,
+        HAS_SOFTCAP,
+        NEED_SUM,
+        BLOCK_V,
     )
-    z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
-    tl.store(stats_ptr + row, row_max)
-    tl.store(stats_ptr + n_rows + row, row_sumexp)
-    tl.store(stats_ptr + 2 * n_rows + row, z_target)
-    tl.store(stats_ptr + 3 * n_rows + row, row_sum)
+    out = partial_ptr + segment * n_rows + row
+    tl.store(out, seg_max)
+    tl.store(out + n_segments * n_rows, seg_sumexp)
+    tl.store(out + 3 * n_segments * n_rows, seg_sum)
+    if segment == 0:
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+        tl.store(out + 2 * n_segments * n_rows, z_target)
+
+
+@triton.jit
+def _merge_segments_kernel(
+    partial_ptr,
+    stats_ptr,
+    n_rows,
+    n_segments,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_SEGMENTS: tl.constexpr,
+):
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    segments = tl.arange(0, BLOCK_SEGMENTS)
+    offsets = segments[:, None] * n_rows + rows[None, :]
+    mask = (segments[:, None] < n_segments) & (rows[None, :] < n_rows)
+    seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
+    seg_sumexp = tl.load(partial_ptr + n_segments * n_rows + offsets, mask=mask, other=0.0)
+    seg_sum = tl.load(partial_ptr + 3 * n_segments * n_rows + offsets, mask=mask, other=0.0)
+    row_max = tl.max(seg_max, axis=0)
+    row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
+    row_mask = rows < n_rows
+    tl.store(stats_ptr + rows, row_max, mask=row_mask)
+    tl.store(stats_ptr + n_rows + rows, row_sumexp, mask=row_mask)
+    z_target = tl.load(partial_ptr + 2 * n_segments * n_rows + rows, mask=row_mask, other=0.0)
+    tl.store(stats_ptr + 2 * n_rows + rows, z_target, mask=row_mask)
+    tl.store(stats_ptr + 3 * n_rows + rows, tl.sum(seg_sum, axis=0), mask=row_mask)
 
 
 def row_stats(
@@ -94,24 +146,38 @@ def row_stats(
     softcap: float | None,
     need_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the stats kernel on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
+    """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
-    if rows > 0:
-        block_v = min(triton.next_power_of_2(n_cols), 4096)
-        _row_stats_kernel[(rows,)](
-            logits,
-            logits.stride(0),
-            target,
+    if rows == 0:
+        return stats[0], stats[1], stats[2], stats[3]
+    # With one segment the partials are the statistics: write them in place.
+    partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
+    _segment_stats_kernel[(rows, n_segments)](
+        logits,
+        logits.stride(0),
+        target,
+        partial,
+        rows,
+        n_cols,
+        float(logit_scale),
+        float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None,
+        NEED_SUM=need_sum,
+        SEGMENT_COLS=SEGMENT_COLS,
+        BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
+        num_warps=4,
+    )
+    if n_segments > 1:
+        block_rows = 32
+        _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
+            partial,
             stats,
             rows,
-            n_cols,
-            float(logit_scale),
-            float(softcap or 1.0),
-            HAS_SOFTCAP=softcap is not None,
-            NEED_SUM=need_sum,
-            BLOCK_V=block_v,
-            num_warps=8 if block_v >= 2048 else 4,
+            n_segments,
+            BLOCK_ROWS=block_rows,
+            BLOCK_SEGMENTS=triton.next_power_of_2(n_segments),
         )
     return stats[0], stats[1], stats[2], stats[3]

@@ -9,17 +9,26 @@ from ..reference import rel_err
 from ..conftest import requires_triton
 
 pytestmark = requires_triton
+import importlib  # noqa: E402
+
 from fused_lm_loss.kernels import row_stats  # noqa: E402
+
+row_stats_module = importlib.import_module("fused_lm_loss.kernels.row_stats")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [1, 300, 4096 + 37])  # one element, one block, two blocks of the online loop
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_row_stats_against_float64(dtype, vocab, softcap):
+@pytest.mark.parametrize("segment_cols", [None, 256])  # None: the default (one segment here); 256: up to 17
+def test_row_stats_against_float64(dtype, vocab, softcap, segment_cols, monkeypatch):
+    if segment_cols is not None:
+        monkeypatch.setattr(row_stats_module, "SEGMENT_COLS", segment_cols)
     rows = 5
     logits = (torch.randn(rows, vocab) * 4).to(dtype)
     target = torch.randint(0, vocab, (rows,))
     target[1] = -1  # the target class lives in another vocab shard
+    target[2] = vocab - 1  # in the last segment
+    logits[3, -1] += 20  # one row's maximum in the last segment: the merge must rescale the others
     logit_scale = 0.7
     z = logits.double() * logit_scale
     if softcap is not None:
