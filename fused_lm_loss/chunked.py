@@ -70,9 +70,26 @@ def _kernels_for(device: torch.device):
 
 
 def auto_chunk_rows(bytes_per_row: int) -> int:
-    """Rows per chunk so that the chunk buffers stay within LOGITS_BUDGET_BYTES (multiple of 64 when large)."""
-    rows = max(1, LOGITS_BUDGET_BYTES // max(bytes_per_row, 1))
-    return rows // 64 * 64 if rows >= 128 else rows
+    """The most rows per chunk for which the chunk buffers stay within LOGITS_BUDGET_BYTES."""
+    return max(1, LOGITS_BUDGET_BYTES // max(bytes_per_row, 1))
+
+
+def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
+    """Rows per chunk: as few chunks as ``max_rows`` allows, all of about the same size.
+
+    Every chunk reads and writes the whole V x H weight-gradient accumulator, so a nearly empty last
+    chunk would cost as much as a full one. The size is rounded up to a multiple of 64 (cuBLAS tiles)
+    when that still fits in ``max_rows``.
+    """
+    if n_rows <= 0:
+        return 1
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // n_chunks)
+    for multiple in (64, 8):
+        rounded = -(-rows // multiple) * multiple
+        if rounded <= max_rows:
+            return rounded
+    return rows
 
 
 def _side_stream(device: torch.device):
@@ -219,8 +236,21 @@ def run_chunks(
     logits_dtype = opts.logits_dtype or mm_dtype
     split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
     bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
-    chunk_rows = max(1, min(opts.chunk_size or auto_chunk_rows(bytes_per_row), n_rows))
-    logits_buf = torch.empty((chunk_rows, vocab), dtype=logits_dtype, device=device)
+    accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
+    # With a wider dW accumulator the returned dW is written once, after the loop: until then its memory
+    # (V x H elements) can hold the logits chunk, so a chunk of up to H rows costs no memory of its own.
+    # Bigger chunks mean fewer passes over the accumulator, which is what limits the speed at small chunks.
+    grad_weight_out = None
+    can_host = needs.weight and accum_dtype != weight.dtype and logits_dtype == weight.dtype and not split_grad
+    max_rows = opts.chunk_size or auto_chunk_rows(bytes_per_row)
+    if can_host and opts.chunk_size is None:
+        max_rows = max(max_rows, weight.shape[1])
+    chunk_rows = plan_chunk_rows(n_rows, max_rows)
+    if can_host and chunk_rows * vocab <= weight.numel():
+        grad_weight_out = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+        logits_buf = grad_weight_out.view(-1)[: chunk_rows * vocab].view(chunk_rows, vocab)
+    else:
+        logits_buf = torch.empty((chunk_rows, vocab), dtype=logits_dtype, device=device)
     grad_buf, grad_lo_buf = logits_buf, None
     if split_grad:
         grad_buf = torch.empty((chunk_rows, vocab), dtype=mm_dtype, device=device)
@@ -228,7 +258,6 @@ def run_chunks(
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
-    accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
     # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
     # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
     # (CUDA, torch < 2.8) would cost more.
@@ -306,7 +335,7 @@ def run_chunks(
     )
     grads = (
         grad_hidden,
-        None if grad_weight is None else grad_weight.result(weight.dtype),
+        None if grad_weight is None else grad_weight.result(weight.dtype, out=grad_weight_out),
         None if grad_bias is None else grad_bias.to(bias.dtype),
         grad_low_rank_input,
         None if grad_low_rank_weight is None else grad_low_rank_weight.result(low_rank[1].dtype),
@@ -346,10 +375,13 @@ class _Accumulator:
             self.total = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         _matmul_accumulate(self.total, a, b, first=first)
 
-    def result(self, dtype: torch.dtype) -> torch.Tensor:
+    def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum in ``dtype``, written into ``out`` when given."""
         if self.total is None:  # no token carried a loss
-            return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        return self.total.to(dtype)
+            return torch.zeros(self.shape, dtype=dtype, device=self.device) if out is None else out.zero_()
+        if out is None:
+            return self.total.to(dtype)
+        return out.copy_(self.total)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):

@@ -139,9 +139,50 @@ def test_ignored_rows_skip_the_matmul(monkeypatch):
 def test_auto_chunk_rows_stays_in_budget():
     for vocab, itemsize in ((128256, 2), (256000, 2), (151936, 6), (32000, 4)):
         rows = chunked.auto_chunk_rows(vocab * itemsize)
-        assert rows * vocab * itemsize <= chunked.LOGITS_BUDGET_BYTES
-        assert rows >= 128 and rows % 64 == 0
+        assert rows * vocab * itemsize <= chunked.LOGITS_BUDGET_BYTES < (rows + 1) * vocab * itemsize
     assert chunked.auto_chunk_rows(10**12) == 1
+
+
+def test_plan_chunk_rows_uses_fewest_equal_chunks():
+    gen = torch.Generator().manual_seed(0)
+    cases = [(7373, 491), (7373, 2304), (8192, 960), (1, 1), (5, 1), (100, 7), (4096, 4096), (64, 1000)]
+    cases += [tuple(int(x) for x in torch.randint(1, 5000, (2,), generator=gen)) for _ in range(200)]
+    for n_rows, max_rows in cases:
+        rows = chunked.plan_chunk_rows(n_rows, max_rows)
+        n_chunks = -(-n_rows // rows)
+        assert rows <= max_rows, (n_rows, max_rows)
+        assert n_chunks == -(-n_rows // max_rows), (n_rows, max_rows)  # no more chunks than needed
+        last = n_rows - (n_chunks - 1) * rows
+        assert rows - last < 64 * n_chunks, (n_rows, max_rows)  # balanced: no nearly empty last chunk
+    assert chunked.plan_chunk_rows(7373, 2304) == 1856  # 4 chunks, a multiple of 64
+    assert chunked.plan_chunk_rows(0, 100) == 1
+
+
+@pytest.mark.parametrize("chunk_size", [None, 24])
+def test_logits_chunk_lives_in_the_returned_weight_gradient(backend, monkeypatch, chunk_size):
+    """With an fp32 dW accumulator for bf16 weights, the chunk buffer is the memory of the dW returned."""
+    hidden, weight, labels, bias = make_inputs(100, 64, 48, dtype=torch.bfloat16, bias=True)
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", 10 * 48 * 2)  # 10 rows; hosting allows H = 64
+    buffers = []
+    original = chunked._logits_into
+
+    def spy(out, h, *args):
+        buffers.append((out.data_ptr(), h.shape[0]))
+        return original(out, h, *args)
+
+    monkeypatch.setattr(chunked, "_logits_into", spy)
+    loss = FusedLMLoss(chunk_size=chunk_size)(hidden, weight, labels, bias)
+    loss.backward()
+    n_rows = int((labels != -100).sum())
+    expected_rows = chunked.plan_chunk_rows(n_rows, chunk_size or 64)
+    assert [rows for _, rows in buffers[:-1]] == [expected_rows] * (len(buffers) - 1) and len(buffers) >= 2
+    assert {ptr for ptr, _ in buffers} == {weight.grad.data_ptr()}
+    expected, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(loss, expected) < 1e-3
+    for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        assert rel_err(t.grad, grads[name]) < 1e-2, name
 
 
 def test_accum_dtype_none_keeps_weight_dtype(backend):
