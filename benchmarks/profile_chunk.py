@@ -1,0 +1,251 @@
+"""Where the time of one chunk goes: each step of the chunk loop timed alone, on the GPU.
+
+    python benchmarks/profile_chunk.py [--shapes gemma2-2b,qwen2.5-0.5b] [--rows 448,512]
+
+For each shape and chunk size it times (median of CUDA-event timings, ``triton.testing.do_bench``):
+  logits   h_chunk @ W.T into the chunk buffer (cuBLAS)
+  stats    the row_stats kernel; grad: the grad_logits kernel (their HBM bandwidth is printed)
+  dX       G @ W (cuBLAS);  dW16 / dW32: dW += G.T @ h into a bf16 / fp32 accumulator
+  dX|dW    dX on a second stream beside dW, as the chunk loop runs them
+and the three full-batch matmuls of the floor, so that each step can be read as TFLOP/s or GB/s and as
+its share of the floor. A torch.profiler pass over one fused forward+backward lists the kernels that
+actually ran (cuBLAS kernel names say whether a GEMM was split along K).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from fused_lm_loss import FusedLMLoss, kernels  # noqa: E402
+from fused_lm_loss.chunked import _matmul_accumulate, auto_chunk_rows  # noqa: E402
+from fused_lm_loss.kernels.row_stats import online_row_stats  # noqa: E402
+
+grad_mod = importlib.import_module("fused_lm_loss.kernels.grad_logits")
+row_stats_mod = importlib.import_module("fused_lm_loss.kernels.row_stats")
+
+SHAPES = {
+    "tiny": (512, 64, 4000),  # a dry run on CPU (TRITON_INTERPRET=1) before spending device time
+    "llama3-8b": (8192, 4096, 128256),
+    "qwen2.5-7b": (8192, 3584, 152064),
+    "gemma2-2b": (8192, 2304, 256000),
+    "qwen2.5-0.5b": (8192, 896, 151936),
+}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench(fn) -> float:
+    if not torch.cuda.is_available():  # dry run: just check that it runs
+        fn()
+        return 1.0
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def tflops(flop, ms):
+    return flop / ms / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="llama3-8b,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b")
+    parser.add_argument("--rows", default="", help="chunk rows to try besides the automatic one")
+    parser.add_argument("--profile", action="store_true", help="also list the kernels of one fused step")
+    parser.add_argument("--variants", action="store_true", help="also time launch-shape and split variants")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name in args.shapes.split(","):
+        n, h, v = SHAPES[name]
+        x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
+        w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
+        y = torch.randint(0, v, (n,), device=DEVICE)
+        full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+        flop = 2 * n * h * v
+        t_f = bench(lambda: torch.mm(x, w.t(), out=full))
+        dx_full = torch.empty_like(x)
+        t_dx = bench(lambda: torch.mm(full, w, out=dx_full))
+        dw_full = torch.empty_like(w)
+        t_dw = bench(lambda: torch.mm(full.t(), x, out=dw_full))
+        floor = t_f + t_dx + t_dw
+        print(f"\n## {name}: N={n} H={h} V={v}; floor {floor:.2f} ms = x@W.T {t_f:.2f} ({tflops(flop, t_f):.0f} TF/s)"
+              f" + G@W {t_dx:.2f} ({tflops(flop, t_dx):.0f}) + G.T@x {t_dw:.2f} ({tflops(flop, t_dw):.0f})")
+        del full
+        auto = min(auto_chunk_rows(v * 2), n)
+        rows_list = [auto] + [int(r) for r in args.rows.split(",") if r and int(r) <= n]
+        acc16 = torch.zeros_like(w)
+        acc32 = torch.zeros(v, h, device=DEVICE, dtype=torch.float32)
+        side = torch.cuda.Stream() if DEVICE == "cuda" else None
+        print("| rows | chunks | logits | stats (GB/s) | grad (GB/s) | dX | dW16 | dW32 | dX‖dW16 | dX‖dW32 |"
+              " est. total bf16acc / fp32acc (× floor) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for c in rows_list:
+            buf = torch.empty(c, v, device=DEVICE, dtype=torch.bfloat16)
+            out = torch.empty_like(buf)
+            hc = x[:c].contiguous()
+            torch.mm(hc, w.t(), out=buf)
+            tc = y[:c].contiguous()
+            lse = torch.logsumexp(buf.float(), -1)
+            cflop = 2 * c * h * v
+            t_logits = bench(lambda: torch.mm(hc, w.t(), out=buf))
+            t_stats = bench(lambda: kernels.row_stats(buf, tc, logit_scale=1.0, softcap=None, need_sum=False))
+            kw = dict(grad_scale=1 / n, row_scale=None, logit_scale=1.0, softcap=None, label_smoothing=0.0,
+                      vocab_size=v, z_loss=0.0)
+            t_grad = bench(lambda: kernels.grad_logits(buf, out, tc, lse, **kw))
+            dx = torch.empty(c, h, device=DEVICE, dtype=torch.bfloat16)
+            t_dxc = bench(lambda: torch.mm(out, w, out=dx))
+            t_dw16 = bench(lambda: acc16.addmm_(out.t(), hc))
+            t_dw32 = bench(lambda: _matmul_accumulate(acc32, out.t(), hc, first=False))
+
+            def both(acc_fn):
+                def run():
+                    if side is None:
+                        torch.mm(out, w, out=dx)
+                        return acc_fn()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        torch.mm(out, w, out=dx)
+                    acc_fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                return run
+
+            t_both16 = bench(both(lambda: acc16.addmm_(out.t(), hc)))
+            t_both32 = bench(both(lambda: _matmul_accumulate(acc32, out.t(), hc, first=False)))
+            n_rows = int(n * 0.9)
+            chunks = n_rows / c
+            per16 = t_logits + t_stats + t_grad + t_both16
+            per32 = t_logits + t_stats + t_grad + t_both32
+            nbytes = c * v * 2
+            print(f"| {c} | {chunks:.1f} | {t_logits:.3f} ({tflops(cflop, t_logits):.0f} TF/s) | {t_stats:.3f} "
+                  f"({nbytes / t_stats / 1e6:.0f}) | {t_grad:.3f} ({2 * nbytes / t_grad / 1e6:.0f}) | "
+                  f"{t_dxc:.3f} ({tflops(cflop, t_dxc):.0f}) | {t_dw16:.3f} ({tflops(cflop, t_dw16):.0f}) | "
+                  f"{t_dw32:.3f} ({tflops(cflop, t_dw32):.0f}) | {t_both16:.3f} | {t_both32:.3f} | "
+                  f"{per16 * chunks:.1f} ({per16 * chunks / floor:.2f}×) / {per32 * chunks:.1f} "
+                  f"({per32 * chunks / floor:.2f}×) |")
+            if c == auto and args.variants:
+                kernel_variants(buf, out, tc, lse, w, kw)
+            del buf, out
+        if args.profile:
+            profile_step(x, w, y, name)
+        del acc16, acc32
+
+
+@triton.jit
+def _split_stats_kernel(logits_ptr, row_stride, part_ptr, n_rows, n_cols, SPLIT_COLS: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
+    """Partial (max, sum-exp) of one row over one vocab segment (prototype of a split-vocab stats pass)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * SPLIT_COLS
+    m, s, _ = online_row_stats(logits_ptr + row * row_stride + start, tl.minimum(SPLIT_COLS, n_cols - start),
+                               1.0, 1.0, False, False, BLOCK_V)
+    tl.store(part_ptr + split * n_rows + row, m)
+    tl.store(part_ptr + (tl.num_programs(1) + split) * n_rows + row, s)
+
+
+def kernel_variants(buf, out, target, lse, w, kw):
+    rows, v = buf.shape
+    nbytes = buf.numel() * 2
+    line = []
+    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+        stats = torch.empty(4, rows, device=DEVICE)
+        t = bench(lambda: row_stats_mod._row_stats_kernel[(rows,)](
+            buf, buf.stride(0), target, stats, rows, v, 1.0, 1.0, HAS_SOFTCAP=False, NEED_SUM=False,
+            BLOCK_V=block, num_warps=warps))
+        line.append(f"stats {block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
+    for split_cols, block, warps in ((16384, 4096, 8), (32768, 4096, 8), (8192, 2048, 4), (16384, 2048, 4)):
+        n_split = triton.cdiv(v, split_cols)
+        part = torch.empty(2, n_split, rows, device=DEVICE)
+
+        def run():
+            _split_stats_kernel[(rows, n_split)](buf, buf.stride(0), part, rows, v, SPLIT_COLS=split_cols,
+                                                 BLOCK_V=block, num_warps=warps)
+
+        def run_merge():
+            run()
+            m = part[0].amax(0)
+            return (part[1] * torch.exp(part[0] - m)).sum(0)
+
+        t, tm = bench(run), bench(run_merge)
+        line.append(f"split-stats {split_cols}/{block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s), +merge {tm:.3f}")
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)):
+        t = bench(lambda: grad_mod._grad_logits_kernel[(rows, triton.cdiv(v, block))](
+            buf, buf.stride(0), out, out, out.stride(0), target, lse, lse, v, 1e-4, 1.0, 1.0, 0.0, 1.0, 0.0,
+            HAS_SOFTCAP=False, PER_ROW_SCALE=False, SPLIT=False, BLOCK_V=block, num_warps=warps))
+        line.append(f"grad {block}/{warps}w {t:.3f} ms ({2 * nbytes / t / 1e6:.0f} GB/s)")
+    # stats then grad on sub-chunks small enough that the grad kernel's read hits L2
+    for sub in (16, 32, 64, 128):
+        def run_sub():
+            for s0 in range(0, rows, sub):
+                b, o = buf[s0 : s0 + sub], out[s0 : s0 + sub]
+                kernels.row_stats(b, target[s0 : s0 + sub], logit_scale=1.0, softcap=None, need_sum=False)
+                kernels.grad_logits(b, o, target[s0 : s0 + sub], lse[s0 : s0 + sub], **kw)
+
+        line.append(f"stats+grad in {sub}-row sub-chunks {bench(run_sub):.3f} ms")
+    t_sg = bench(lambda: (kernels.row_stats(buf, target, logit_scale=1.0, softcap=None, need_sum=False),
+                          kernels.grad_logits(buf, out, target, lse, **kw)))
+    line.append(f"stats+grad whole chunk {t_sg:.3f} ms")
+    h = w.shape[1]
+    dx = torch.empty(rows, h, device=DEVICE, dtype=torch.bfloat16)
+    for splits in (2, 4, 8):
+        if v % splits:
+            continue
+        part = torch.empty(splits, rows, h, device=DEVICE, dtype=torch.float32)
+        g3 = out.view(rows, splits, v // splits).transpose(0, 1)
+        w3 = w.view(splits, v // splits, h)
+
+        def run_split():
+            if DEVICE == "cuda":
+                torch.ops.aten.bmm.dtype_out(g3, w3, torch.float32, out=part)
+            else:
+                torch.bmm(g3.float(), w3.float(), out=part)
+            torch.sum(part, 0, out=dx)
+
+        line.append(f"dX split-K {splits} (bmm fp32 + sum) {bench(run_split):.3f} ms")
+    print("variants at the automatic chunk:\n  " + "\n  ".join(line))
+
+
+def profile_step(x, w, y, name):
+    y = y.clone()
+    y[torch.rand(y.shape, device=DEVICE) < 0.1] = -100
+    for opts in ({}, {"accum_dtype": None}):
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss_fn = FusedLMLoss(**opts)
+
+        def step():
+            xr.grad = wr.grad = None
+            loss_fn(xr, wr, y).backward()
+
+        t = bench(step)
+        if DEVICE == "cuda":  # is the chunk loop bound by the host issuing it? (forward does all the work)
+            xr.grad = wr.grad = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = loss_fn(xr, wr, y)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            print(f"{name} {opts or 'default'}: forward issued in {1e3 * (t1 - t0):.2f} ms, done after "
+                  f"{1e3 * (t2 - t0):.2f} ms")
+            del loss
+        activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            step()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        print(f"\n{name} fused {opts or 'default'}: {t:.2f} ms; kernels of one step:")
+        if os.environ.get("OUT"):
+            prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}_{len(opts)}.json"))
+        sort_by = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=110))
+
+
+if __name__ == "__main__":
+    main()
