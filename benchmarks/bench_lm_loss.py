@@ -10,6 +10,7 @@ the inputs and the gradient tensors, for:
                (forward-only: the first; frozen head: the first two)
   fused        fused_lm_loss (default options: bf16 logits, fp32 dW accumulator)
   fused_bf16acc, fused_fp32logits   the accum_dtype=None and logits_dtype=float32 variants
+  fused_1stream  default options with dX and dW on one CUDA stream (main scenario only)
   eager        F.cross_entropy((x @ W.T).float(), y)
   torch_chunked  F.linear_cross_entropy(..., options=LinearCrossEntropyOptions()) where torch has it
   liger        LigerFusedLinearCrossEntropyLoss, when importable
@@ -98,6 +99,17 @@ def impl_fused(**options):
     return run
 
 
+def impl_fused_one_stream(x, w, y, scaling):
+    """Default options with G @ W and G.T @ h on the same stream (A/B of chunked.OVERLAP_GRAD_MATMULS)."""
+    from fused_lm_loss import chunked
+
+    chunked.OVERLAP_GRAD_MATMULS = False
+    try:
+        return FusedLMLoss()(x, w, y, scaling=scaling)
+    finally:
+        chunked.OVERLAP_GRAD_MATMULS = True
+
+
 def impl_eager(x, w, y, scaling):
     return F.cross_entropy((x @ w.T).float(), y, ignore_index=-100)
 
@@ -129,6 +141,7 @@ def implementations(include_variants=True):
     if include_variants:
         impls["fused_bf16acc"] = impl_fused(accum_dtype=None)
         impls["fused_fp32logits"] = impl_fused(logits_dtype=torch.float32)
+        impls["fused_1stream"] = impl_fused_one_stream
     impls["eager"] = impl_eager
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         impls["torch_chunked"] = impl_torch_chunked
@@ -234,6 +247,8 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also sweep chunk sizes and kernel launch shapes")
     parser.add_argument("--main-only", action="store_true", help="only the main scenario (realistic, 10%% ignored, train)")
+    parser.add_argument("--peers-main-only", action="store_true", help="time eager and the peers in the main scenario only")
+    parser.add_argument("--budget-ms", type=float, default=1500.0, help="timing budget per measurement")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -279,7 +294,7 @@ def main():
             key = dict(shape=shape, n=n, h=h, v=v, data=data, ignore=ignore, mode=mode, dtype=str(dtype)[6:])
             fmode = {"train": "train", "forward": "forward", "frozen_head": "frozen"}[mode]
             run, g = floor_fn(x, w, fmode)
-            floor_ms, _ = time_cuda(run)
+            floor_ms, _ = time_cuda(run, budget_ms=args.budget_ms)
             del g
             torch.cuda.empty_cache()
             record(**key, impl="floor", ms=floor_ms, ratio=1.0)
@@ -288,12 +303,16 @@ def main():
             if dtype == torch.float16 and not args.quick:
                 ref = float64_reference(x, w, y)
             for name, impl in impls.items():
+                if not main_case and name == "fused_1stream":
+                    continue
                 if not main_case and name in ("fused_bf16acc", "fused_fp32logits") and dtype != torch.float16:
                     if not (name == "fused_bf16acc" and mode == "train"):
                         continue
+                if not main_case and args.peers_main_only and not name.startswith("fused"):
+                    continue
                 row = dict(key, impl=name)
                 try:
-                    ms, extra = measure(impl, x, w, y, mode, scaling)
+                    ms, extra = measure(impl, x, w, y, mode, scaling, budget_ms=args.budget_ms)
                     row.update(ms=ms, ratio=ms / floor_ms, extra_gib=extra)
                     if ref is not None:
                         row.update(zip(("err_loss", "err_dx", "err_dw"), accuracy(impl, x, w, y, ref, scaling)))
@@ -367,7 +386,7 @@ def plot(rows, out):
     except ImportError:
         return
     main = [r for r in rows if r.get("mode") == "train" and r.get("data") == "realistic" and r.get("ignore") == 0.1
-            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep")]
+            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep") and r["impl"] != "fused_1stream"]
     shapes = list(dict.fromkeys(r["shape"] for r in main))
     impls = list(dict.fromkeys(r["impl"] for r in main))
     fig, ax = plt.subplots(figsize=(11, 4.5))

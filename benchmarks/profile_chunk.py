@@ -27,6 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fused_lm_loss import FusedLMLoss, kernels  # noqa: E402
+from fused_lm_loss import chunked  # noqa: E402
 from fused_lm_loss.chunked import _matmul_accumulate, auto_chunk_rows  # noqa: E402
 from fused_lm_loss.kernels.row_stats import online_row_stats  # noqa: E402
 
@@ -224,6 +225,10 @@ def profile_step(x, w, y, name):
             loss_fn(xr, wr, y).backward()
 
         t = bench(step)
+        chunked.OVERLAP_GRAD_MATMULS = False
+        t_one_stream = bench(step)
+        chunked.OVERLAP_GRAD_MATMULS = True
+        print(f"{name} {opts or 'default'}: {t:.2f} ms; with dX and dW on one stream {t_one_stream:.2f} ms")
         if DEVICE == "cuda":  # is the chunk loop bound by the host issuing it? (forward does all the work)
             xr.grad = wr.grad = None
             torch.cuda.synchronize()

@@ -10,8 +10,14 @@ Per chunk of (non-ignored) token rows::
 so the N x V logits never exist at once. Gradients are produced in forward (scaled by
 ``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
 
+Chunks are as few as the memory allows and of equal size: each one reads and writes the whole dW
+accumulator, so their number, not their size, sets that cost.
+
 Buffers and their precision:
-  logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
+  logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``.
+                                        ~240 MiB; with an fp32 dW accumulator for a bf16/fp16 weight it lives
+                                        in the memory of the dW returned (written only after the loop), so
+                                        it can hold up to H rows without memory of its own
   G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
