@@ -22,14 +22,12 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fused_lm_loss import FusedLMLoss, kernels  # noqa: E402
 from fused_lm_loss import chunked  # noqa: E402
 from fused_lm_loss.chunked import _matmul_accumulate, auto_chunk_rows  # noqa: E402
-from fused_lm_loss.kernels.row_stats import online_row_stats  # noqa: E402
 
 grad_mod = importlib.import_module("fused_lm_loss.kernels.grad_logits")
 row_stats_mod = importlib.import_module("fused_lm_loss.kernels.row_stats")
@@ -78,7 +76,7 @@ def main():
         floor = t_f + t_dx + t_dw
         print(f"\n## {name}: N={n} H={h} V={v}; floor {floor:.2f} ms = x@W.T {t_f:.2f} ({tflops(flop, t_f):.0f} TF/s)"
               f" + G@W {t_dx:.2f} ({tflops(flop, t_dx):.0f}) + G.T@x {t_dw:.2f} ({tflops(flop, t_dw):.0f})")
-        del full
+        full = None  # free the N x V buffer
         auto = min(auto_chunk_rows(v * 2), n)
         rows_list = [auto] + [int(r) for r in args.rows.split(",") if r and int(r) <= n]
         acc16 = torch.zeros_like(w)
@@ -132,50 +130,22 @@ def main():
                   f"({per32 * chunks / floor:.2f}×) |")
             if c == auto and args.variants:
                 kernel_variants(buf, out, tc, lse, w, kw)
-            del buf, out
+            buf = out = None
         if args.profile:
             profile_step(x, w, y, name)
-        del acc16, acc32
-
-
-@triton.jit
-def _split_stats_kernel(logits_ptr, row_stride, part_ptr, n_rows, n_cols, SPLIT_COLS: tl.constexpr,
-                        BLOCK_V: tl.constexpr):
-    """Partial (max, sum-exp) of one row over one vocab segment (prototype of a split-vocab stats pass)."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    start = split * SPLIT_COLS
-    m, s, _ = online_row_stats(logits_ptr + row * row_stride + start, tl.minimum(SPLIT_COLS, n_cols - start),
-                               1.0, 1.0, False, False, BLOCK_V)
-    tl.store(part_ptr + split * n_rows + row, m)
-    tl.store(part_ptr + (tl.num_programs(1) + split) * n_rows + row, s)
+        acc16 = acc32 = None
 
 
 def kernel_variants(buf, out, target, lse, w, kw):
     rows, v = buf.shape
     nbytes = buf.numel() * 2
     line = []
-    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
-        stats = torch.empty(4, rows, device=DEVICE)
-        t = bench(lambda: row_stats_mod._row_stats_kernel[(rows,)](
-            buf, buf.stride(0), target, stats, rows, v, 1.0, 1.0, HAS_SOFTCAP=False, NEED_SUM=False,
-            BLOCK_V=block, num_warps=warps))
-        line.append(f"stats {block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
-    for split_cols, block, warps in ((16384, 4096, 8), (32768, 4096, 8), (8192, 2048, 4), (16384, 2048, 4)):
-        n_split = triton.cdiv(v, split_cols)
-        part = torch.empty(2, n_split, rows, device=DEVICE)
-
-        def run():
-            _split_stats_kernel[(rows, n_split)](buf, buf.stride(0), part, rows, v, SPLIT_COLS=split_cols,
-                                                 BLOCK_V=block, num_warps=warps)
-
-        def run_merge():
-            run()
-            m = part[0].amax(0)
-            return (part[1] * torch.exp(part[0] - m)).sum(0)
-
-        t, tm = bench(run), bench(run_merge)
-        line.append(f"split-stats {split_cols}/{block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s), +merge {tm:.3f}")
+    default_segment = row_stats_mod.SEGMENT_COLS
+    for segment in (4096, 8192, 16384, 32768, 1 << 20):
+        row_stats_mod.SEGMENT_COLS = segment
+        t = bench(lambda: kernels.row_stats(buf, target, logit_scale=1.0, softcap=None, need_sum=False))
+        line.append(f"stats, {segment}-column segments {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
+    row_stats_mod.SEGMENT_COLS = default_segment
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)):
         t = bench(lambda: grad_mod._grad_logits_kernel[(rows, triton.cdiv(v, block))](
             buf, buf.stride(0), out, out, out.stride(0), target, lse, lse, v, 1e-4, 1.0, 1.0, 0.0, 1.0, 0.0,
@@ -210,6 +180,18 @@ def kernel_variants(buf, out, target, lse, w, kw):
             torch.sum(part, 0, out=dx)
 
         line.append(f"dX split-K {splits} (bmm fp32 + sum) {bench(run_split):.3f} ms")
+    # the logits matmul through other cuBLAS entry points (their heuristics pick other kernels)
+    hc = torch.randn(rows, h, device=DEVICE, dtype=torch.bfloat16)
+    flop = 2 * rows * h * v
+    zero_bias = torch.zeros(v, device=DEVICE, dtype=torch.bfloat16)
+    for label, fn in (
+        ("mm", lambda: torch.mm(hc, w.t(), out=buf)),
+        ("addmm zero bias (cublasLt)", lambda: torch.addmm(zero_bias, hc, w.t(), out=buf)),
+        ("F.linear", lambda: torch.nn.functional.linear(hc, w)),
+        ("mm transposed (W @ h.T)", lambda: torch.mm(w, hc.t())),
+    ):
+        t = bench(fn)
+        line.append(f"logits {label} {t:.3f} ms ({tflops(flop, t):.0f} TF/s)")
     print("variants at the automatic chunk:\n  " + "\n  ".join(line))
 
 
@@ -233,13 +215,12 @@ def profile_step(x, w, y, name):
             xr.grad = wr.grad = None
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = loss_fn(xr, wr, y)
+            loss_fn(xr, wr, y)
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
             print(f"{name} {opts or 'default'}: forward issued in {1e3 * (t1 - t0):.2f} ms, done after "
                   f"{1e3 * (t2 - t0):.2f} ms")
-            del loss
         activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[activity]) as prof:
             step()

@@ -14,7 +14,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 FUSED_LM_LOSS_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     --ignore tests/test_distributed.py --ignore tests/integrations tests 2>&1 | tee "$OUT/tests.log" | tail -3
-timeout 90 python3 benchmarks/profile_chunk.py --profile > "$OUT/profile.log" 2>&1
+timeout 120 python3 benchmarks/profile_chunk.py --profile --variants > "$OUT/profile.log" 2>&1
 grep -v "^-\|Self CPU\|^ *Name\|nvjet\|void\|Warn\|warn" "$OUT/profile.log" | cut -c1-200
 timeout 330 python3 benchmarks/bench_lm_loss.py --shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b \
     --peers-main-only --budget-ms 800 --out "$OUT" > "$OUT/bench.log" 2>&1
