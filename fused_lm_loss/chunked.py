@@ -358,19 +358,14 @@ def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torc
 def _store_rows(
     out: torch.Tensor, rows: Rows, start: int, end: int, grad_terms: tuple, weight: torch.Tensor
 ) -> None:
-    """out[chunk rows] = sum(G_k @ weight); ``out`` may be wider (fp32) than the G terms and weight.
-
-    Computed as (weight.T @ G_k.T).T: for the small (rows x H) outputs of a chunk, cuBLAS's kernel choice
-    for G @ W left most SMs idle at some row counts (2x slower at 832 x 896 on the H200), the transposed
-    call's did not, and on average both take the same time (benchmarks/NOTES.md).
-    """
-    part_t = torch.empty((out.shape[1], end - start), dtype=out.dtype, device=out.device)
+    """out[chunk rows] = sum(G_k @ weight); ``out`` may be wider (fp32) than the G terms and weight."""
+    part = out[start:end]
+    if rows.index is not None:
+        part = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
     for k, term in enumerate(grad_terms):
-        _matmul_accumulate(part_t, weight.t(), term.t(), first=k == 0)
-    if rows.index is None:
-        out[start:end].copy_(part_t.t())
-    else:
-        out.index_copy_(0, rows.index[start:end], part_t.t())
+        _matmul_accumulate(part, term, weight, first=k == 0)
+    if rows.index is not None:
+        out.index_copy_(0, rows.index[start:end], part)
 
 
 class _Accumulator:
