@@ -59,8 +59,14 @@ def main():
     parser.add_argument("--rows", default="", help="chunk rows to try besides the automatic one")
     parser.add_argument("--profile", action="store_true", help="also list the kernels of one fused step")
     parser.add_argument("--variants", action="store_true", help="also time launch-shape and split variants")
+    parser.add_argument("--dx-rows", default="", help="name:rows,rows;name:rows... time G @ W at these chunk sizes")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.dx_rows:
+        for item in args.dx_rows.split(";"):
+            name, rows = item.split(":")
+            dx_sweep(name, [int(r) for r in rows.split(",")])
+        return
     for name in args.shapes.split(","):
         n, h, v = SHAPES[name]
         x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
@@ -193,6 +199,28 @@ def kernel_variants(buf, out, target, lse, w, kw):
         t = bench(fn)
         line.append(f"logits {label} {t:.3f} ms ({tflops(flop, t):.0f} TF/s)")
     print("variants at the automatic chunk:\n  " + "\n  ".join(line))
+
+
+def dx_sweep(name, rows_list):
+    """G @ W at several chunk sizes: cuBLAS picks its kernel per shape, and some picks leave SMs idle."""
+    n, h, v = SHAPES[name]
+    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
+    print(f"\n{name}: G @ W (ms) | rows: plain / as (W.T @ G.T).T / split-K 4 | logits h @ W.T")
+    for c in rows_list:
+        g = torch.randn(c, v, device=DEVICE, dtype=torch.bfloat16) * 1e-3
+        hc = torch.randn(c, h, device=DEVICE, dtype=torch.bfloat16)
+        dx = torch.empty(c, h, device=DEVICE, dtype=torch.bfloat16)
+        dx_t = torch.empty(h, c, device=DEVICE, dtype=torch.bfloat16)
+        t_plain = bench(lambda: torch.mm(g, w, out=dx))
+        t_trans = bench(lambda: (torch.mm(w.t(), g.t(), out=dx_t), dx.copy_(dx_t.t())))
+        t_split = float("nan")
+        if v % 4 == 0 and DEVICE == "cuda":
+            part = torch.empty(4, c, h, device=DEVICE, dtype=torch.float32)
+            g3, w3 = g.view(c, 4, v // 4).transpose(0, 1), w.view(4, v // 4, h)
+            t_split = bench(lambda: (torch.ops.aten.bmm.dtype_out(g3, w3, torch.float32, out=part),
+                                     torch.sum(part, 0, out=dx)))
+        t_logits = bench(lambda: torch.mm(hc, w.t(), out=g))
+        print(f"  {c}: {t_plain:.3f} / {t_trans:.3f} / {t_split:.3f} | {t_logits:.3f}")
 
 
 def profile_step(x, w, y, name):

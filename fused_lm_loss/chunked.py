@@ -249,8 +249,8 @@ def run_chunks(
     grad_weight_out = None
     can_host = needs.weight and accum_dtype != weight.dtype and logits_dtype == weight.dtype and not split_grad
     max_rows = opts.chunk_size or auto_chunk_rows(bytes_per_row)
-    if can_host and opts.chunk_size is None:
-        max_rows = max(max_rows, weight.shape[1])
+    if can_host and opts.chunk_size is None and -(-n_rows // weight.shape[1]) < -(-n_rows // max_rows):
+        max_rows = weight.shape[1]  # only when it means fewer chunks: they are what costs
     chunk_rows = plan_chunk_rows(n_rows, max_rows)
     if can_host and chunk_rows * vocab <= weight.numel():
         grad_weight_out = torch.empty(weight.shape, dtype=weight.dtype, device=device)
