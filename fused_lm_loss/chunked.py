@@ -98,6 +98,15 @@ def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
     return rows
 
 
+def _chunk_rows(n_rows: int, bytes_per_row: int, chunk_size: int | None, host_rows: int) -> int:
+    """``chunk_size`` rows at most, else the memory budget's; or ``host_rows`` (the rows the returned dW's
+    memory can hold, 0: none) when that means fewer chunks, since their number is what costs."""
+    max_rows = chunk_size or auto_chunk_rows(bytes_per_row)
+    if chunk_size is None and host_rows and -(-n_rows // host_rows) < -(-n_rows // max_rows):
+        max_rows = host_rows
+    return plan_chunk_rows(n_rows, max_rows)
+
+
 def _side_stream(device: torch.device):
     """A second CUDA stream for G @ W: with few rows it has few output tiles, and fills the GPU only beside
     the large G.T @ h running on the main stream."""
@@ -245,14 +254,11 @@ def run_chunks(
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
     # With a wider dW accumulator the returned dW is written once, after the loop: until then its memory
     # (V x H elements) can hold the logits chunk, so a chunk of up to H rows costs no memory of its own.
-    # Bigger chunks mean fewer passes over the accumulator, which is what limits the speed at small chunks.
-    grad_weight_out = None
+    hidden_size = weight.shape[1]
     can_host = needs.weight and accum_dtype != weight.dtype and logits_dtype == weight.dtype and not split_grad
-    max_rows = opts.chunk_size or auto_chunk_rows(bytes_per_row)
-    if can_host and opts.chunk_size is None and -(-n_rows // weight.shape[1]) < -(-n_rows // max_rows):
-        max_rows = weight.shape[1]  # only when it means fewer chunks: they are what costs
-    chunk_rows = plan_chunk_rows(n_rows, max_rows)
-    if can_host and chunk_rows * vocab <= weight.numel():
+    chunk_rows = _chunk_rows(n_rows, bytes_per_row, opts.chunk_size, hidden_size if can_host else 0)
+    grad_weight_out = None
+    if can_host and chunk_rows <= hidden_size:
         grad_weight_out = torch.empty(weight.shape, dtype=weight.dtype, device=device)
         logits_buf = grad_weight_out.view(-1)[: chunk_rows * vocab].view(chunk_rows, vocab)
     else:
