@@ -17,12 +17,14 @@ import os
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP multicast off: not needed for these collectives
 
 import argparse
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from fused_lm_loss import FusedLMLoss
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from fused_lm_loss import FusedLMLoss  # noqa: E402
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
