@@ -8,8 +8,11 @@ For each shape and chunk size it times (median of CUDA-event timings, ``triton.t
   dX       G @ W (cuBLAS);  dW16 / dW32: dW += G.T @ h into a bf16 / fp32 accumulator
   dX|dW    dX on a second stream beside dW, as the chunk loop runs them
 and the three full-batch matmuls of the floor, so that each step can be read as TFLOP/s or GB/s and as
-its share of the floor. A torch.profiler pass over one fused forward+backward lists the kernels that
-actually ran (cuBLAS kernel names say whether a GEMM was split along K).
+its share of the floor. ``--profile``: a torch.profiler pass over one fused forward+backward lists the
+kernels that actually ran (cuBLAS kernel names say whether a GEMM was split along K), and times the step
+with dX and dW on one stream. ``--variants``: stats segment sizes, grad launch shapes, split-K dX and other
+cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at given row counts.
+Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
 
