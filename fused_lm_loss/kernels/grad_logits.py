@@ -30,33 +30,6 @@ from .softcap import tanh
 
 
 @triton.jit
-def grad_block(
-    x,
-    cols,
-    target,
-    lse,
-    scale,
-    logit_scale,
-    softcap,
-    smoothing_per_class,
-    target_weight,
-    z_loss,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """d(scale * loss_i)/d(x) for one block of raw logits x (fp32) at columns ``cols``."""
-    z = x * logit_scale
-    if HAS_SOFTCAP:
-        capped = tanh(z / softcap)
-        z = softcap * capped
-    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
-    grad = tl.where(cols == target, grad - target_weight, grad)
-    grad = grad * (scale * logit_scale)
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
-    return grad
-
-
-@triton.jit
 def store_grad(grad_ptr, grad_lo_ptr, offsets, grad, mask, SPLIT: tl.constexpr):
     """Store fp32 ``grad`` rounded to the output dtype; with SPLIT also the rounding residual in ``grad_lo``."""
     hi = grad.to(grad_ptr.dtype.element_ty)
@@ -94,19 +67,16 @@ def _grad_logits_kernel(
     scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
-    grad = grad_block(
-        x,
-        cols,
-        tl.load(target_ptr + row),
-        tl.load(lse_ptr + row),
-        scale,
-        logit_scale,
-        softcap,
-        smoothing_per_class,
-        target_weight,
-        z_loss,
-        HAS_SOFTCAP,
-    )
+    lse = tl.load(lse_ptr + row)
+    z = x * logit_scale
+    if HAS_SOFTCAP:
+        capped = tanh(z / softcap)
+        z = softcap * capped
+    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+    grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
+    grad = grad * (scale * logit_scale)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
     store_grad(grad_ptr, grad_lo_ptr, row * grad_row_stride + cols, grad, mask, SPLIT)
 
 
