@@ -84,12 +84,14 @@ def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
     """Rows per chunk: as few chunks as ``max_rows`` allows, all of about the same size.
 
     Every chunk reads and writes the whole V x H weight-gradient accumulator, so a nearly empty last
-    chunk would cost as much as a full one. The size is rounded up to a multiple of 64 (cuBLAS tiles)
-    when that still fits in ``max_rows``.
+    chunk would cost as much as a full one. With several chunks the size is rounded up to a multiple of
+    64 (cuBLAS tiles) when that still fits in ``max_rows``.
     """
     if n_rows <= 0:
         return 1
     n_chunks = -(-n_rows // max_rows)
+    if n_chunks == 1:
+        return n_rows  # one chunk: a buffer of exactly the rows there are
     rows = -(-n_rows // n_chunks)
     for multiple in (64, 8):
         rounded = -(-rows // multiple) * multiple

@@ -152,7 +152,7 @@ def test_plan_chunk_rows_uses_fewest_equal_chunks():
     for n_rows, max_rows in cases:
         rows = chunked.plan_chunk_rows(n_rows, max_rows)
         n_chunks = -(-n_rows // rows)
-        assert rows <= max_rows, (n_rows, max_rows)
+        assert rows <= max_rows and rows <= n_rows, (n_rows, max_rows)
         assert n_chunks == -(-n_rows // max_rows), (n_rows, max_rows)  # no more chunks than needed
         last = n_rows - (n_chunks - 1) * rows
         assert rows - last < 64 * n_chunks, (n_rows, max_rows)  # balanced: no nearly empty last chunk
