@@ -496,4 +496,4 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
 def _chunk_rows(opts: LossOptions, logits: torch.Tensor, n_rows: int) -> int:
     # fp32 temporaries of the row_stats / grad_logits steps dominate: ~3 fp32 copies per row
-    return max(1, min(opts.chunk_size or chunked.auto_chunk_rows(logits.shape[1] * 12), n_rows))
+    return chunked.plan_chunk_rows(n_rows, opts.chunk_size or chunked.auto_chunk_rows(logits.shape[1] * 12))
