@@ -225,6 +225,15 @@ def row_loss(
     return loss, lse
 
 
+def mean_denominator(n_rows: int, num_items: object) -> float:
+    """What reduction="mean" divides the summed loss by: ``num_items_in_batch``, else the rows with a loss
+    (1 when there are none, so that all-ignored batches give 0)."""
+    denominator = float(n_rows if num_items is None else num_items)
+    if denominator < 0 or (denominator == 0 and n_rows > 0):
+        raise ValueError(f"num_items_in_batch must be > 0 when tokens carry a loss, got {num_items}")
+    return max(denominator, 1.0)
+
+
 def run_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -433,12 +442,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 per_token.index_copy_(0, rows.index, out.loss)
             return per_token.view(labels.shape)
 
-        denominator = 1.0
-        if opts.reduction == "mean":
-            denominator = float(rows.count if num_items is None else num_items)
-            if denominator < 0 or (denominator == 0 and rows.count > 0):
-                raise ValueError(f"num_items_in_batch must be > 0 when tokens carry a loss, got {num_items}")
-            denominator = max(denominator, 1.0)
+        denominator = mean_denominator(rows.count, num_items) if opts.reduction == "mean" else 1.0
         out = run_chunks(
             hidden2d, weight, bias, low_rank, rows, opts, shard, needs=needs, grad_scale=scaling / denominator
         )

@@ -74,6 +74,8 @@ def test_bad_scaling_and_num_items():
         FusedLMLoss()(hidden, weight, labels, scaling=-1.0)
     with pytest.raises(ValueError, match="num_items_in_batch"):
         FusedLMLoss()(hidden, weight, labels, num_items_in_batch=0)
+    with pytest.raises(ValueError, match="num_items_in_batch"):  # transformers' signature, on logits
+        FusedLMLoss()(logits=hidden @ weight.T, labels=labels, vocab_size=10, num_items_in_batch=0)
 
 
 def test_repr_shows_changed_options():

@@ -461,7 +461,7 @@ class _LogitsCrossEntropy(torch.autograd.Function):
                 0, rows.index, loss
             )
         if opts.reduction == "mean":
-            ctx.denominator = max(float(rows.count if num_items is None else num_items), 1.0)
+            ctx.denominator = chunked.mean_denominator(rows.count, num_items)
         return loss.sum() / ctx.denominator
 
     @staticmethod
@@ -469,8 +469,7 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         (logits,) = ctx.saved_tensors
         rows, opts = ctx.rows, ctx.opts
         ops = chunked._kernels_for(logits.device)
-        alloc = torch.empty if rows.index is None else torch.zeros
-        grad = alloc(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad = chunked._row_grad_buffer(logits, rows, logits.dtype)
         if opts.reduction == "none":
             per_token = grad_output.reshape(-1)
             row_scale = (per_token if rows.index is None else per_token[rows.index]).float().contiguous()
