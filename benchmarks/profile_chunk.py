@@ -25,6 +25,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -145,16 +146,71 @@ def main():
         acc16 = acc32 = None
 
 
+@triton.jit
+def _two_pass_stats(logits_ptr, row_stride, partial_ptr, n_rows, n_cols, SEGMENT_COLS: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """Experiment: a segment's max with per-lane maxima, then its sum-exp in a second read (from L2):
+    one cross-warp reduction per pass instead of two per block."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    row_ptr = logits_ptr + row * row_stride + segment * SEGMENT_COLS
+    n = tl.minimum(n_cols - segment * SEGMENT_COLS, SEGMENT_COLS)
+    offsets = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    for start in range(0, n, BLOCK_V):
+        z = tl.load(row_ptr + start + offsets, mask=start + offsets < n, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, z)
+    seg_max = tl.max(lane_max, axis=0)
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, n, BLOCK_V):
+        z = tl.load(row_ptr + start + offsets, mask=start + offsets < n, other=float("-inf")).to(tl.float32)
+        lane_sum += tl.exp(z - seg_max)
+    out = partial_ptr + segment * n_rows + row
+    tl.store(out, seg_max)
+    tl.store(out + tl.num_programs(1) * n_rows, tl.sum(lane_sum, axis=0))
+
+
+@triton.jit
+def _lane_online_stats(logits_ptr, row_stride, partial_ptr, n_rows, n_cols, SEGMENT_COLS: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+    """Experiment: online softmax per lane (no reduction inside the loop, two exps per element)."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    row_ptr = logits_ptr + row * row_stride + segment * SEGMENT_COLS
+    n = tl.minimum(n_cols - segment * SEGMENT_COLS, SEGMENT_COLS)
+    offsets = tl.arange(0, BLOCK_V)
+    lane_max = tl.full([BLOCK_V], -1e30, tl.float32)
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, n, BLOCK_V):
+        z = tl.load(row_ptr + start + offsets, mask=start + offsets < n, other=-1e30).to(tl.float32)
+        new_max = tl.maximum(lane_max, z)
+        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max)
+        lane_max = new_max
+    seg_max = tl.max(lane_max, axis=0)
+    out = partial_ptr + segment * n_rows + row
+    tl.store(out, seg_max)
+    tl.store(out + tl.num_programs(1) * n_rows, tl.sum(lane_sum * tl.exp(lane_max - seg_max), axis=0))
+
+
 def kernel_variants(buf, out, target, lse, w, kw):
     rows, v = buf.shape
     nbytes = buf.numel() * 2
     line = []
-    default_segment = row_stats_mod.SEGMENT_COLS
-    for segment in (4096, 8192, 16384, 32768, 1 << 20):
-        row_stats_mod.SEGMENT_COLS = segment
-        t = bench(lambda: kernels.row_stats(buf, target, logit_scale=1.0, softcap=None, need_sum=False))
-        line.append(f"stats, {segment}-column segments {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
-    row_stats_mod.SEGMENT_COLS = default_segment
+    n_segments = lambda seg: triton.cdiv(v, seg)  # noqa: E731
+    partial = torch.empty(4 * triton.cdiv(v, 4096) * rows, device=buf.device, dtype=torch.float32)
+    for segment in (8192, 16384, 32768):
+        for block, warps in ((1024, 1), (1024, 2), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+            if block > segment:
+                continue
+            t = bench(lambda: row_stats_mod._segment_stats_kernel[(rows, n_segments(segment))](
+                buf, buf.stride(0), target, partial, rows, v, 1.0, 1.0, HAS_SOFTCAP=False, NEED_SUM=False,
+                SEGMENT_COLS=segment, BLOCK_V=block, num_warps=warps))
+            line.append(f"stats segments only, {segment} cols, {block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
+        for block, warps in ((2048, 4), (4096, 8)):
+            for kernel, label in ((_two_pass_stats, "two-pass"), (_lane_online_stats, "per-lane online")):
+                t = bench(lambda: kernel[(rows, n_segments(segment))](
+                    buf, buf.stride(0), partial, rows, v, SEGMENT_COLS=segment, BLOCK_V=block, num_warps=warps))
+                line.append(f"stats {label}, {segment} cols, {block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)):
         t = bench(lambda: grad_mod._grad_logits_kernel[(rows, triton.cdiv(v, block))](
             buf, buf.stride(0), out, out, out.stride(0), target, lse, lse, v, 1e-4, 1.0, 1.0, 0.0, 1.0, 0.0,

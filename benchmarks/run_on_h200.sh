@@ -14,8 +14,9 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 FUSED_LM_LOSS_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
     --ignore tests/test_distributed.py --ignore tests/integrations tests 2>&1 | tee "$OUT/tests.log" | tail -3
-if [ -n "${PROFILE:-}" ]; then  # the per-step breakdown (~1 min)
-    timeout 120 python3 benchmarks/profile_chunk.py --profile --variants > "$OUT/profile.log" 2>&1
+if [ -n "${PROFILE:-}" ]; then  # the per-step breakdown (~1 min); PROFILE="--shapes gemma2-2b" picks flags
+    [ "$PROFILE" = 1 ] && PROFILE="--profile --variants"
+    timeout 150 python3 benchmarks/profile_chunk.py $PROFILE > "$OUT/profile.log" 2>&1
     grep -v "^-\|Self CPU\|^ *Name\|nvjet\|void\|Warn\|warn" "$OUT/profile.log" | cut -c1-200
 fi
 timeout 330 python3 benchmarks/bench_lm_loss.py --shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b \

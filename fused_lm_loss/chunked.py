@@ -11,13 +11,13 @@ so the N x V logits never exist at once. Gradients are produced in forward (scal
 ``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
 
 Chunks are as few as the memory allows and of equal size: each one reads and writes the whole dW
-accumulator, so their number, not their size, sets that cost.
+accumulator, so their number, not their size, sets that cost (``max_chunk_rows``).
 
 Buffers and their precision:
   logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``.
-                                        ~240 MiB; with an fp32 dW accumulator for a bf16/fp16 weight it lives
-                                        in the memory of the dW returned (written only after the loop), so
-                                        it can hold up to H rows without memory of its own
+                                        240 MiB; with an fp32 dW accumulator for a bf16/fp16 weight also the
+                                        memory that accumulator pays for: its own when one chunk needs no
+                                        accumulator, else the returned dW's, which is allocated after the loop
   G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
@@ -26,7 +26,8 @@ Buffers and their precision:
                                         fp32 (then cast once) with a hi + lo G, and for vocab-parallel
                                         partials summed across ranks (in ``accum_dtype``)
   dW            (V_shard, H)            ``accum_dtype`` (fp32 default): summed over chunks, so the
-                                        narrow dtype would round once per chunk
+                                        narrow dtype would round once per chunk; with one chunk it is a
+                                        single matmul written in the weight's dtype
   db            (V_shard,)              fp32, cast to the bias dtype at the end
 """
 from __future__ import annotations
@@ -75,9 +76,9 @@ def _kernels_for(device: torch.device):
     return kernels
 
 
-def auto_chunk_rows(bytes_per_row: int) -> int:
-    """The most rows per chunk for which the chunk buffers stay within LOGITS_BUDGET_BYTES."""
-    return max(1, LOGITS_BUDGET_BYTES // max(bytes_per_row, 1))
+def auto_chunk_rows(bytes_per_row: int, extra_bytes: int = 0) -> int:
+    """The most rows per chunk for which the chunk buffers stay within LOGITS_BUDGET_BYTES (+ ``extra_bytes``)."""
+    return max(1, (LOGITS_BUDGET_BYTES + extra_bytes) // max(bytes_per_row, 1))
 
 
 def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
@@ -100,13 +101,25 @@ def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
     return rows
 
 
-def _chunk_rows(n_rows: int, bytes_per_row: int, chunk_size: int | None, host_rows: int) -> int:
-    """``chunk_size`` rows at most, else the memory budget's; or ``host_rows`` (the rows the returned dW's
-    memory can hold, 0: none) when that means fewer chunks, since their number is what costs."""
-    max_rows = chunk_size or auto_chunk_rows(bytes_per_row)
-    if chunk_size is None and host_rows and -(-n_rows // host_rows) < -(-n_rows // max_rows):
-        max_rows = host_rows
-    return plan_chunk_rows(n_rows, max_rows)
+def max_chunk_rows(
+    n_rows: int, bytes_per_row: int, chunk_size: int | None, accumulator_bytes: int = 0, result_bytes: int = 0
+) -> int:
+    """The most rows a chunk may take: ``chunk_size``, else what the memory allows.
+
+    The chunk buffers get LOGITS_BUDGET_BYTES, plus, when dW is summed in a wider dtype than the weight's,
+    memory that the accumulator's cost already pays for (``accumulator_bytes``: the V x H accumulator;
+    ``result_bytes``: the dW returned in the weight's dtype):
+      - one chunk needs no accumulator (dW is a single matmul), so it may also take the accumulator's bytes;
+      - with several chunks the returned dW is written once, after the loop has freed the chunk buffer, so
+        the chunk may also take the returned dW's bytes.
+    Either way the loss holds at most the accumulator + LOGITS_BUDGET_BYTES beyond inputs and gradients,
+    and fewer chunks mean fewer passes over the accumulator, which is what costs at small chunks.
+    """
+    if chunk_size is not None:
+        return chunk_size
+    if n_rows * bytes_per_row <= LOGITS_BUDGET_BYTES + accumulator_bytes:
+        return max(n_rows, 1)
+    return auto_chunk_rows(bytes_per_row, result_bytes)
 
 
 def _side_stream(device: torch.device):
@@ -263,21 +276,20 @@ def run_chunks(
     split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
     bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    # With a wider dW accumulator the returned dW is written once, after the loop: until then its memory
-    # (V x H elements) can hold the logits chunk, so a chunk of up to H rows costs no memory of its own.
-    hidden_size = weight.shape[1]
-    can_host = needs.weight and accum_dtype != weight.dtype and logits_dtype == weight.dtype and not split_grad
-    chunk_rows = _chunk_rows(n_rows, bytes_per_row, opts.chunk_size, hidden_size if can_host else 0)
-    grad_weight_out = None
-    if can_host and chunk_rows <= hidden_size:
-        grad_weight_out = torch.empty(weight.shape, dtype=weight.dtype, device=device)
-        logits_buf = grad_weight_out.view(-1)[: chunk_rows * vocab].view(chunk_rows, vocab)
-    else:
-        logits_buf = torch.empty((chunk_rows, vocab), dtype=logits_dtype, device=device)
-    grad_buf, grad_lo_buf = logits_buf, None
-    if split_grad:
-        grad_buf = torch.empty((chunk_rows, vocab), dtype=mm_dtype, device=device)
-        grad_lo_buf = torch.empty_like(grad_buf)
+    wide_dw = needs.weight and accum_dtype != weight.dtype
+    chunk_rows = plan_chunk_rows(
+        n_rows,
+        max_chunk_rows(
+            n_rows,
+            bytes_per_row,
+            opts.chunk_size,
+            accumulator_bytes=weight.numel() * accum_dtype.itemsize if wide_dw else 0,
+            result_bytes=weight.numel() * weight.dtype.itemsize if wide_dw else 0,
+        ),
+    )
+    if chunk_rows >= n_rows:  # one chunk: each weight gradient is one matmul (fp32 inside), rounded once
+        accum_dtype = weight.dtype
+    logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(chunk_rows, vocab, logits_dtype, mm_dtype, split_grad, device)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
@@ -352,18 +364,38 @@ def run_chunks(
         if side is not None:  # the next chunk overwrites G
             torch.cuda.current_stream(device).wait_stream(side)
 
+    # Free the chunk buffers first: with several chunks the dW result takes their memory (max_chunk_rows).
+    logits_buf = grad_buf = grad_lo_buf = logits = grad = grad_lo = dx_terms = None
     grad_hidden, grad_low_rank_input = (
         None if partial is None else shard.sum_partial_grad(partial, opts).to(mm_dtype)  # one rounding
         for partial in (grad_hidden, grad_low_rank_input)
     )
     grads = (
         grad_hidden,
-        None if grad_weight is None else grad_weight.result(weight.dtype, out=grad_weight_out),
+        None if grad_weight is None else grad_weight.result(weight.dtype),
         None if grad_bias is None else grad_bias.to(bias.dtype),
         grad_low_rank_input,
         None if grad_low_rank_weight is None else grad_low_rank_weight.result(low_rank[1].dtype),
     )
     return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
+
+
+def _chunk_buffers(
+    rows: int, vocab: int, logits_dtype: torch.dtype, mm_dtype: torch.dtype, split_grad: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logits, G, G_lo) chunk buffers: G overwrites the logits in place, except with fp32 logits from
+    bf16/fp16 operands, where G = hi + lo gets two buffers of its own. They are carved from one allocation
+    (each part 256-byte aligned for cuBLAS), so that what they free after the loop is one block."""
+    parts = [logits_dtype] + ([mm_dtype, mm_dtype] if split_grad else [])
+    sizes = [-(-rows * vocab * dtype.itemsize // 256) * 256 for dtype in parts]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    views, offset = [], 0
+    for dtype, size in zip(parts, sizes):
+        views.append(flat[offset : offset + rows * vocab * dtype.itemsize].view(dtype).view(rows, vocab))
+        offset += size
+    if not split_grad:
+        return views[0], views[0], None
+    return views[0], views[1], views[2]
 
 
 def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
@@ -398,13 +430,11 @@ class _Accumulator:
             self.total = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         _matmul_accumulate(self.total, a, b, first=first)
 
-    def result(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum in ``dtype``, written into ``out`` when given."""
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The sum in ``dtype`` (the accumulator itself when it already has that dtype)."""
         if self.total is None:  # no token carried a loss
-            return torch.zeros(self.shape, dtype=dtype, device=self.device) if out is None else out.zero_()
-        if out is None:
-            return self.total.to(dtype)
-        return out.copy_(self.total)
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        return self.total.to(dtype)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):

@@ -160,35 +160,54 @@ def test_plan_chunk_rows_uses_fewest_equal_chunks():
     assert chunked.plan_chunk_rows(0, 100) == 1
 
 
-@pytest.mark.parametrize(
-    "chunk_size, budget_rows, max_rows",
-    [
-        (None, 10, 64),  # H = 64 rows fit in dW's memory: 2 chunks instead of 8
-        (None, 60, 60),  # 64-row chunks would not mean fewer chunks: the budget's size, still in dW's memory
-        (24, 10, 24),  # an explicit chunk_size that fits
-    ],
-)
-def test_logits_chunk_lives_in_the_returned_weight_gradient(backend, monkeypatch, chunk_size, budget_rows, max_rows):
-    """With an fp32 dW accumulator for bf16 weights, the chunk buffer is the memory of the dW returned."""
-    hidden, weight, labels, bias = make_inputs(100, 64, 48, dtype=torch.bfloat16, bias=True, seed=3)
+def test_max_chunk_rows_spends_what_the_accumulator_pays_for(monkeypatch):
+    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", 1000)
+    # no wider accumulator: the budget alone (10 rows of 100 bytes)
+    assert chunked.max_chunk_rows(500, 100, None) == 10
+    assert chunked.max_chunk_rows(7, 100, None) == 7
+    # one chunk fits in budget + accumulator: it needs no accumulator, so it may take its bytes
+    assert chunked.max_chunk_rows(30, 100, None, accumulator_bytes=2000, result_bytes=1000) == 30
+    # several chunks: budget + the returned dW's bytes (allocated only after the loop)
+    assert chunked.max_chunk_rows(31, 100, None, accumulator_bytes=2000, result_bytes=1000) == 20
+    # an explicit chunk_size wins
+    assert chunked.max_chunk_rows(500, 100, 7, accumulator_bytes=2000, result_bytes=1000) == 7
+
+
+@pytest.mark.parametrize("budget_rows, one_chunk", [(10, False), (80, True)])
+def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, budget_rows, one_chunk):
+    """bf16 weights, fp32 dW accumulation: one chunk writes dW directly in bf16 (a single matmul, nothing
+    to accumulate); several chunks get the returned dW's bytes besides the budget and accumulate in fp32."""
+    hidden, weight, labels, bias = make_inputs(100, 16, 48, dtype=torch.bfloat16, bias=True, seed=3)
     for t in (hidden, weight, bias):
         t.requires_grad_(True)
-    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", budget_rows * 48 * 2)
-    buffers = []
-    original = chunked._logits_into
-
-    def spy(out, h, *args):
-        buffers.append((out.data_ptr(), h.shape[0]))
-        return original(out, h, *args)
-
-    monkeypatch.setattr(chunked, "_logits_into", spy)
-    loss = FusedLMLoss(chunk_size=chunk_size)(hidden, weight, labels, bias)
-    loss.backward()
+    bytes_per_row = 48 * 2
+    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", budget_rows * bytes_per_row)
     n_rows = int((labels != -100).sum())
-    assert 64 < n_rows <= 120  # so that the cases above mean what they say
-    expected_rows = chunked.plan_chunk_rows(n_rows, max_rows)
-    assert [rows for _, rows in buffers[:-1]] == [expected_rows] * (len(buffers) - 1) and len(buffers) >= 2
-    assert {ptr for ptr, _ in buffers} == {weight.grad.data_ptr()}
+    accumulator_rows, result_rows = 48 * 16 * 4 // bytes_per_row, 48 * 16 * 2 // bytes_per_row  # 32, 16
+    assert (n_rows <= budget_rows + accumulator_rows) == one_chunk and n_rows > budget_rows
+    chunk_rows, accumulated = [], []
+    original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
+
+    def spy_logits(out, h, *args):
+        chunk_rows.append(h.shape[0])
+        return original_logits(out, h, *args)
+
+    def spy_add(self, a, b):
+        accumulated.append(self.dtype)
+        return original_add(self, a, b)
+
+    monkeypatch.setattr(chunked, "_logits_into", spy_logits)
+    monkeypatch.setattr(chunked._Accumulator, "add", spy_add)
+    loss = FusedLMLoss()(hidden, weight, labels, bias)
+    loss.backward()
+    if one_chunk:
+        assert chunk_rows == [n_rows] and accumulated == [torch.bfloat16]
+    else:
+        expected_rows = chunked.plan_chunk_rows(n_rows, budget_rows + result_rows)
+        assert expected_rows > budget_rows and len(chunk_rows) >= 2
+        assert chunk_rows[:-1] == [expected_rows] * (len(chunk_rows) - 1)
+        assert set(accumulated) == {torch.float32}
+    assert weight.grad.dtype == torch.bfloat16
     expected, grads = reference_loss(hidden, weight, labels, bias)
     assert rel_err(loss, expected) < 4e-3  # bf16 logits: each rounded by up to 2**-9
     for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):

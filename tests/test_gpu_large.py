@@ -39,3 +39,33 @@ def test_llama3_8b_size(dtype, logits_dtype):
     assert all(e < 2e-2 for e in ours)
     for mine, theirs in zip(ours[1:], eager_errors[1:]):
         assert mine <= 1.1 * theirs
+
+
+@pytest.mark.parametrize(
+    "n, h, v",
+    [
+        (8192, 4096, 32000),  # default: one chunk, in the memory the fp32 accumulator would take
+        (8192, 1024, 32000),  # default: 2 chunks, budget + the returned dW's bytes
+        (8192, 256, 151936),  # small H: 7 chunks
+    ],
+)
+@pytest.mark.parametrize("accum_dtype", [torch.float32, None])
+def test_extra_memory_stays_within_the_budget(n, h, v, accum_dtype):
+    """Peak memory beyond inputs and returned gradients: LOGITS_BUDGET_BYTES (+ the fp32 accumulator's bytes)."""
+    from fused_lm_loss import chunked
+
+    torch.cuda.empty_cache()
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda") * (4 / h**0.5)).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[torch.rand(n, device="cuda") < 0.1] = -100
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = FusedLMLoss(accum_dtype=accum_dtype)(hidden, weight, labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - hidden.grad.nbytes - weight.grad.nbytes
+    allowed = chunked.LOGITS_BUDGET_BYTES + (weight.numel() * 4 if accum_dtype is not None else 0) + 16 * 2**20
+    assert torch.isfinite(loss) and weight.grad.dtype == torch.bfloat16
+    assert extra <= allowed, (extra / 2**20, allowed / 2**20)
