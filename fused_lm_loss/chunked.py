@@ -215,29 +215,6 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
         acc.addmm_(a, b)
 
 
-def row_loss(
-    row_max: torch.Tensor,
-    row_sumexp: torch.Tensor,
-    target_logit: torch.Tensor,
-    logit_sum: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and lse (fp32) from row statistics over the whole vocabulary::
-
-    loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
-    """
-    lse = row_max + torch.log(row_sumexp)
-    loss = lse - (1.0 - label_smoothing) * target_logit
-    if label_smoothing > 0:
-        loss -= (label_smoothing / vocab_size) * logit_sum
-    if z_loss > 0:
-        loss += z_loss * lse * lse
-    return loss, lse
-
-
 def mean_denominator(n_rows: int, num_items: object) -> float:
     """What reduction="mean" divides the summed loss by: ``num_items_in_batch``, else the rows with a loss
     (1 when there are none, so that all-ignored batches give 0)."""
@@ -274,7 +251,18 @@ def run_chunks(
 
     logits_dtype = opts.logits_dtype or mm_dtype
     split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
+    # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
+    # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
+    # (CUDA, torch < 2.8) would cost more.
+    grad_input_dtype = mm_dtype
+    if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
+        grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
+
     bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
+    if rows.index is not None:  # per-chunk copies of the kept rows: h (and u) gathered, dX (and du) scattered
+        rank = 0 if low_rank is None else low_rank[0].shape[1]
+        bytes_per_row += (hidden.shape[1] + rank) * mm_dtype.itemsize
+        bytes_per_row += (hidden.shape[1] * needs.hidden + rank * needs.low_rank_input) * grad_input_dtype.itemsize
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
     wide_dw = needs.weight and accum_dtype != weight.dtype
     chunk_rows = plan_chunk_rows(
@@ -293,12 +281,6 @@ def run_chunks(
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
-    # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
-    # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
-    # (CUDA, torch < 2.8) would cost more.
-    grad_input_dtype = mm_dtype
-    if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
-        grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
     grad_hidden = _row_grad_buffer(hidden, rows, grad_input_dtype) if needs.hidden else None
     grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, grad_input_dtype) if needs.low_rank_input else None
     grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
@@ -306,7 +288,7 @@ def run_chunks(
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
 
     smoothing = opts.label_smoothing
-    kernel_options = dict(
+    loss_options = dict(
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
         label_smoothing=smoothing,
@@ -328,11 +310,13 @@ def run_chunks(
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
-        if compute_stats:
+        if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
+            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
+        elif compute_stats:  # vocab-parallel: merge the shards' statistics first
             stats = ops.row_stats(
                 logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
-            loss_rows[start:end], lse_rows[start:end] = row_loss(
+            loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
                 *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
             )
         if not needs.any():
@@ -345,7 +329,7 @@ def run_chunks(
             grad_scale=grad_scale,
             row_scale=None if row_scale is None else row_scale[start:end],
             out_lo=grad_lo,
-            **kernel_options,
+            **loss_options,
         )
         side = _side_stream(device) if grad_hidden is not None or grad_low_rank_input is not None else None
         if side is not None:

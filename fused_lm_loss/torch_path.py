@@ -1,7 +1,7 @@
 """The pure-PyTorch twins of the Triton kernels (same signatures, same fp32 math).
 
 Used for CPU tensors, where no Triton kernel runs (unless tests force the interpreter). The chunk loop
-in ``chunked.py`` is the same for both paths; only these two per-chunk steps differ. See the kernel
+in ``chunked.py`` is the same for both paths; only these per-chunk steps differ. See the kernel
 files in ``kernels/`` for the math.
 """
 from __future__ import annotations
@@ -34,6 +34,47 @@ def row_stats(
     target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))
     logit_sum = z.sum(dim=1) if need_sum else torch.zeros_like(row_max)
     return row_max, row_sumexp, target_logit, logit_sum
+
+
+def loss_from_stats(
+    row_max: torch.Tensor,
+    row_sumexp: torch.Tensor,
+    target_logit: torch.Tensor,
+    logit_sum: torch.Tensor,
+    *,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and lse (fp32) from row statistics over the whole vocabulary::
+
+    loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
+    """
+    lse = row_max + torch.log(row_sumexp)
+    loss = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing > 0:
+        loss -= (label_smoothing / vocab_size) * logit_sum
+    if z_loss > 0:
+        loss += z_loss * lse * lse
+    return loss, lse
+
+
+def row_losses(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> None:
+    stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0)
+    loss, lse = loss_from_stats(*stats, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size)
+    loss_out.copy_(loss)
+    lse_out.copy_(lse)
 
 
 def grad_logits(

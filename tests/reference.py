@@ -78,7 +78,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def make_inputs(n, h, v, *, dtype=torch.float32, logit_std=3.5, ignore_frac=0.2, bias=False, shape=None, seed=None):
     """Fresh random inputs whose logits have std ~ logit_std; labels drawn from the model's softmax."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed) if seed is not None else None
     hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * (logit_std / h**0.5)
     b = torch.randn(v, generator=gen, dtype=torch.float64) * 0.5 if bias else None

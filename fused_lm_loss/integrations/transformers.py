@@ -447,9 +447,16 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         for start in range(0, rows.count, step):
             end = min(start + step, rows.count)
             z = rows.gather(logits, start, end)
-            stats = ops.row_stats(z, rows.target[start:end], logit_scale=1.0, softcap=None, need_sum=smoothing > 0)
-            loss[start:end], lse[start:end] = chunked.row_loss(
-                *stats, label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=vocab
+            ops.row_losses(
+                z,
+                rows.target[start:end],
+                loss[start:end],
+                lse[start:end],
+                logit_scale=1.0,
+                softcap=None,
+                label_smoothing=smoothing,
+                z_loss=opts.z_loss,
+                vocab_size=vocab,
             )
         ctx.save_for_backward(logits)
         ctx.rows, ctx.lse, ctx.opts, ctx.step = rows, lse, opts, step

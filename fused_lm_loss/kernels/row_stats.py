@@ -22,6 +22,9 @@ each row is split into segments of SEGMENT_COLS columns: one program per (row, s
 
     M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
 
+When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``row_losses`` has that
+merge kernel write the row's loss and lse directly (formula there), instead of the four statistics.
+
 Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
@@ -115,12 +118,19 @@ def _segment_stats_kernel(
 def _merge_segments_kernel(
     partial_ptr,
     stats_ptr,
+    loss_ptr,
+    lse_ptr,
     n_rows,
     n_segments,
+    smoothing_per_class,
+    target_weight,
+    z_loss,
+    WRITE_LOSS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
-    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials."""
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials; with
+    WRITE_LOSS instead the row's loss and lse (see ``row_losses``)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     segments = tl.arange(0, BLOCK_SEGMENTS)
     offsets = segments[:, None] * n_rows + rows[None, :]
@@ -128,14 +138,44 @@ def _merge_segments_kernel(
     seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
     seg_sumexp = tl.load(partial_ptr + n_segments * n_rows + offsets, mask=mask, other=0.0)
     seg_sum = tl.load(partial_ptr + 3 * n_segments * n_rows + offsets, mask=mask, other=0.0)
-    row_max = tl.max(seg_max, axis=0)
-    row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
     row_mask = rows < n_rows
-    tl.store(stats_ptr + rows, row_max, mask=row_mask)
-    tl.store(stats_ptr + n_rows + rows, row_sumexp, mask=row_mask)
+    row_max = tl.where(row_mask, tl.max(seg_max, axis=0), 0.0)  # rows past the end: no -inf - -inf
+    row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
+    row_sum = tl.sum(seg_sum, axis=0)
     z_target = tl.load(partial_ptr + 2 * n_segments * n_rows + rows, mask=row_mask, other=0.0)
-    tl.store(stats_ptr + 2 * n_rows + rows, z_target, mask=row_mask)
-    tl.store(stats_ptr + 3 * n_rows + rows, tl.sum(seg_sum, axis=0), mask=row_mask)
+    if WRITE_LOSS:
+        lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
+        loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
+        tl.store(loss_ptr + rows, loss, mask=row_mask)
+        tl.store(lse_ptr + rows, lse, mask=row_mask)
+    else:
+        tl.store(stats_ptr + rows, row_max, mask=row_mask)
+        tl.store(stats_ptr + n_rows + rows, row_sumexp, mask=row_mask)
+        tl.store(stats_ptr + 2 * n_rows + rows, z_target, mask=row_mask)
+        tl.store(stats_ptr + 3 * n_rows + rows, row_sum, mask=row_mask)
+
+
+def _segment_partials(
+    logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor, logit_scale: float, softcap: float | None, need_sum: bool
+) -> None:
+    """out[k, segment, row] for k = (max, sum-exp, target logit, sum); ``out`` is (4, n_segments, rows)."""
+    rows, n_cols = logits.shape
+    assert logits.stride(1) == 1
+    _segment_stats_kernel[(rows, out.shape[1])](
+        logits,
+        logits.stride(0),
+        target,
+        out,
+        rows,
+        n_cols,
+        float(logit_scale),
+        float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None,
+        NEED_SUM=need_sum,
+        SEGMENT_COLS=SEGMENT_COLS,
+        BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
+        num_warps=2,  # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7)
+    )
 
 
 def row_stats(
@@ -148,36 +188,71 @@ def row_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
-    assert logits.stride(1) == 1
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
         return stats[0], stats[1], stats[2], stats[3]
     # With one segment the partials are the statistics: write them in place.
     partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_stats_kernel[(rows, n_segments)](
-        logits,
-        logits.stride(0),
-        target,
-        partial,
-        rows,
-        n_cols,
-        float(logit_scale),
-        float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None,
-        NEED_SUM=need_sum,
-        SEGMENT_COLS=SEGMENT_COLS,
-        BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
-        num_warps=4,
-    )
+    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum)
     if n_segments > 1:
-        block_rows = 32
-        _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
-            partial,
-            stats,
-            rows,
-            n_segments,
-            BLOCK_ROWS=block_rows,
-            BLOCK_SEGMENTS=triton.next_power_of_2(n_segments),
-        )
+        _merge(partial, stats, stats, stats, rows, n_segments, write_loss=False)
     return stats[0], stats[1], stats[2], stats[3]
+
+
+def row_losses(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> None:
+    """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
+    the statistics, then in the merge kernel::
+
+        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
+    """
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
+    _segment_partials(logits, target, partial, logit_scale, softcap, need_sum=label_smoothing > 0)
+    _merge(
+        partial,
+        partial,
+        loss_out,
+        lse_out,
+        rows,
+        n_segments,
+        write_loss=True,
+        smoothing_per_class=label_smoothing / vocab_size,
+        target_weight=1.0 - label_smoothing,
+        z_loss=z_loss,
+    )
+
+
+def _merge(partial, stats, loss_out, lse_out, rows, n_segments, *, write_loss, smoothing_per_class=0.0,
+           target_weight=1.0, z_loss=0.0) -> None:
+    """Launch the merge kernel: statistics into ``stats``, or (write_loss) loss and lse into their outputs."""
+    block_rows = 32
+    _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
+        partial,
+        stats,
+        loss_out,
+        lse_out,
+        rows,
+        n_segments,
+        float(smoothing_per_class),
+        float(target_weight),
+        float(z_loss),
+        WRITE_LOSS=write_loss,
+        BLOCK_ROWS=block_rows,
+        BLOCK_SEGMENTS=triton.next_power_of_2(n_segments),
+    )

@@ -56,3 +56,32 @@ def test_row_stats_respects_row_stride():
     want = torch_path.row_stats(view.contiguous(), target, logit_scale=1.0, softcap=None, need_sum=False)
     for a, b in zip(got[:3], want[:3]):
         assert rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.2, 1e-2)])
+@pytest.mark.parametrize("segment_cols", [None, 256])
+def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, segment_cols, monkeypatch):
+    """Loss and lse written by the merge kernel (and the PyTorch twin), against the float64 formula."""
+    from fused_lm_loss.kernels import row_losses
+
+    if segment_cols is not None:
+        monkeypatch.setattr(row_stats_module, "SEGMENT_COLS", segment_cols)
+    rows, vocab = 70, 1000  # more rows than one merge program takes (32)
+    logits = (torch.randn(rows, vocab) * 4).to(dtype)
+    target = torch.randint(0, vocab, (rows,))
+    logits[3, -1] += 20
+    logit_scale = 0.7
+    z = logits.double() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, 1)
+    z_target = z.gather(1, target[:, None]).squeeze(1)
+    expected = (1 - label_smoothing) * (lse - z_target) + label_smoothing * (lse - z.mean(1)) + z_loss * lse**2
+    for impl in (row_losses, torch_path.row_losses):
+        loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
+        impl(logits, target, loss, lse_out, logit_scale=logit_scale, softcap=softcap,
+             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+        assert rel_err(loss, expected) < 1e-5, impl.__module__
+        assert rel_err(lse_out, lse) < 1e-6, impl.__module__
