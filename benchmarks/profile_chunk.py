@@ -64,8 +64,14 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also list the kernels of one fused step")
     parser.add_argument("--variants", action="store_true", help="also time launch-shape and split variants")
     parser.add_argument("--dx-rows", default="", help="name:rows,rows;name:rows... time G @ W at these chunk sizes")
+    parser.add_argument("--no-dw-rows", default="", help="rows,rows: forward-only and frozen-head steps at these "
+                        "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.no_dw_rows:
+        for name in args.shapes.split(","):
+            no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
+        return
     if args.dx_rows:
         for item in args.dx_rows.split(";"):
             name, rows = item.split(":")
@@ -280,6 +286,48 @@ def dx_sweep(name, rows_list):
                                      torch.sum(part, 0, out=dx)))
         t_logits = bench(lambda: torch.mm(hc, w.t(), out=g))
         print(f"  {c}: {t_plain:.3f} / {t_trans:.3f} / {t_split:.3f} | {t_logits:.3f}")
+
+
+def no_dw_sweep(name, rows_list):
+    """Forward-only and frozen-head steps (no dW accumulator, so no cost per chunk beyond its rows) at exact
+    chunk sizes: is one size's cuBLAS pick better per row than another's? Repeated 3 times, interleaved."""
+    n, h, v = SHAPES[name]
+    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), device=DEVICE)
+    y[torch.rand(n, device=DEVICE) < 0.1] = -100
+    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+    dx = torch.empty_like(x)
+    planner = chunked.plan_chunk_rows
+    results = {}
+    for repeat in range(3):
+        t1 = bench(lambda: torch.mm(x, w.t(), out=full))
+        t2 = t1 + bench(lambda: torch.mm(full, w, out=dx))
+        results.setdefault("floor", []).append((t1, t2))
+        for rows in [None] + rows_list:
+            label = "auto (equal chunks)" if rows is None else f"{rows} rows"
+            if rows is not None:
+                chunked.plan_chunk_rows = lambda n_rows, max_rows: min(n_rows, max_rows)
+            loss_fn = FusedLMLoss(chunk_size=rows)
+            xr = x.detach().requires_grad_()
+
+            def frozen():
+                xr.grad = None
+                loss_fn(xr, w, y).backward()
+
+            with torch.no_grad():
+                t_fwd = bench(lambda: loss_fn(x, w, y))
+            t_frozen = bench(frozen)
+            chunked.plan_chunk_rows = planner
+            results.setdefault(label, []).append((t_fwd, t_frozen))
+    floor_fwd = sorted(r[0] for r in results["floor"])[1]
+    floor_frozen = sorted(r[1] for r in results["floor"])[1]
+    print(f"\n{name}: forward floor {floor_fwd:.2f} ms, frozen-head floor {floor_frozen:.2f} ms (medians of 3)")
+    for label, runs in results.items():
+        if label != "floor":
+            fwd, frz = sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
+            print(f"  {label}: forward {fwd:.2f} ms ({fwd / floor_fwd:.3f}×), frozen {frz:.2f} ms "
+                  f"({frz / floor_frozen:.3f}×)   runs {[f'{a:.2f}/{b:.2f}' for a, b in runs]}")
 
 
 def profile_step(x, w, y, name):

@@ -331,7 +331,10 @@ def run_chunks(
             out_lo=grad_lo,
             **loss_options,
         )
-        side = _side_stream(device) if grad_hidden is not None or grad_low_rank_input is not None else None
+        # dX beside dW; with no weight gradient (frozen lm_head) there is nothing to run beside
+        has_dx = grad_hidden is not None or grad_low_rank_input is not None
+        has_dw = grad_weight is not None or grad_low_rank_weight is not None
+        side = _side_stream(device) if has_dx and has_dw else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():

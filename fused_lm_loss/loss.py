@@ -79,8 +79,9 @@ class FusedLMLoss(nn.Module):
         z_loss: coefficient of lse**2 added per token (PaLM z-loss).
         softcap: final logit softcapping (Gemma 2/3), or None.
         logit_scale: multiplies the logits before softcap (Cohere ``logit_scale``, Granite ``1 / logits_scaling``).
-        chunk_size: at most this many token rows per chunk (chunks are made equal). None: the logits chunk
-            takes at most 240 MiB, or up to H rows when it can live in the returned fp32-accumulated dW.
+        chunk_size: at most this many token rows per chunk (chunks are made equal). None: the chunk takes at
+            most 240 MiB, plus, with an fp32 dW accumulator for a bf16/fp16 weight, the accumulator's memory
+            (one chunk, which needs none) or the returned dW's (several chunks; dW is allocated after them).
         accum_dtype: dtype of the lm_head weight-gradient accumulator; None = the weight's dtype.
         logits_dtype: None (logits in the matmul dtype) or torch.float32 (bf16/fp16 inputs, fp32 logits:
             more exact gradients, one extra buffer).
