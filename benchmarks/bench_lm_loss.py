@@ -11,7 +11,6 @@ the inputs and the gradient tensors, for:
   fused        fused_lm_loss (default options: bf16 logits, fp32 dW accumulator)
   fused_bf16acc, fused_fp32logits   the accum_dtype=None and logits_dtype=float32 variants
   fused_1stream  default options with dX and dW on one CUDA stream (main scenario only)
-  fused_stored_stats  forward-only, row statistics from a stored logits chunk instead of the matmul's epilogue
   eager        F.cross_entropy((x @ W.T).float(), y)
   torch_chunked  F.linear_cross_entropy(..., options=LinearCrossEntropyOptions()) where torch has it
   liger        LigerFusedLinearCrossEntropyLoss, when importable
@@ -111,18 +110,6 @@ def impl_fused_one_stream(x, w, y, scaling):
         chunked.OVERLAP_GRAD_MATMULS = True
 
 
-def impl_fused_stored_stats(x, w, y, scaling):
-    """Default options with the row statistics read from a stored logits chunk, not computed inside the logits
-    matmul (A/B of chunked.STATS_IN_MATMUL; it only differs without gradients)."""
-    from fused_lm_loss import chunked
-
-    chunked.STATS_IN_MATMUL = False
-    try:
-        return FusedLMLoss()(x, w, y, scaling=scaling)
-    finally:
-        chunked.STATS_IN_MATMUL = True
-
-
 def impl_eager(x, w, y, scaling):
     return F.cross_entropy((x @ w.T).float(), y, ignore_index=-100)
 
@@ -155,7 +142,6 @@ def implementations(include_variants=True):
         impls["fused_bf16acc"] = impl_fused(accum_dtype=None)
         impls["fused_fp32logits"] = impl_fused(logits_dtype=torch.float32)
         impls["fused_1stream"] = impl_fused_one_stream
-        impls["fused_stored_stats"] = impl_fused_stored_stats
     impls["eager"] = impl_eager
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         impls["torch_chunked"] = impl_torch_chunked
@@ -319,8 +305,6 @@ def main():
             for name, impl in impls.items():
                 if not main_case and name == "fused_1stream":
                     continue
-                if name == "fused_stored_stats" and mode != "forward":
-                    continue
                 if not main_case and name in ("fused_bf16acc", "fused_fp32logits") and dtype != torch.float16:
                     if not (name == "fused_bf16acc" and mode == "train"):
                         continue
@@ -402,7 +386,7 @@ def plot(rows, out):
     except ImportError:
         return
     main = [r for r in rows if r.get("mode") == "train" and r.get("data") == "realistic" and r.get("ignore") == 0.1
-            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep") and r["impl"] not in ("fused_1stream", "fused_stored_stats")]
+            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep") and r["impl"] != "fused_1stream"]
     shapes = list(dict.fromkeys(r["shape"] for r in main))
     impls = list(dict.fromkeys(r["impl"] for r in main))
     fig, ax = plt.subplots(figsize=(11, 4.5))

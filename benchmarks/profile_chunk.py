@@ -64,16 +64,10 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also list the kernels of one fused step")
     parser.add_argument("--variants", action="store_true", help="also time launch-shape and split variants")
     parser.add_argument("--dx-rows", default="", help="name:rows,rows;name:rows... time G @ W at these chunk sizes")
-    parser.add_argument("--matmul-stats", action="store_true", help="forward-only: statistics in the logits matmul "
-                        "(launch configs of kernels/matmul_stats.py) against the stored-logits path and one cuBLAS matmul")
     parser.add_argument("--no-dw-rows", default="", help="rows,rows: forward-only and frozen-head steps at these "
                         "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.matmul_stats:
-        for name in args.shapes.split(","):
-            matmul_stats_sweep(name)
-        return
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
@@ -292,43 +286,6 @@ def dx_sweep(name, rows_list):
                                      torch.sum(part, 0, out=dx)))
         t_logits = bench(lambda: torch.mm(hc, w.t(), out=g))
         print(f"  {c}: {t_plain:.3f} / {t_trans:.3f} / {t_split:.3f} | {t_logits:.3f}")
-
-
-MATMUL_STATS_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
-    (256, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (64, 256, 64, 8, 4, 4), (128, 256, 32, 8, 8, 5),
-]
-
-
-def matmul_stats_sweep(name):
-    """Forward-only loss (10% ignored) with the statistics in the matmul's epilogue, per launch config, against
-    the stored-logits path (cuBLAS + row_stats) and the forward floor (one cuBLAS matmul of all rows)."""
-    matmul_stats = importlib.import_module("fused_lm_loss.kernels.matmul_stats")
-    n, h, v = SHAPES[name]
-    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
-    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
-    y = torch.randint(0, v, (n,), device=DEVICE)
-    y[torch.rand(n, device=DEVICE) < 0.1] = -100
-    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
-    floor = bench(lambda: torch.mm(x, w.t(), out=full))
-    full = None
-    loss_fn = FusedLMLoss()
-    with torch.no_grad():
-        chunked.STATS_IN_MATMUL = False
-        stored = bench(lambda: loss_fn(x, w, y))
-        reference = loss_fn(x, w, y)
-        chunked.STATS_IN_MATMUL = True
-        print(f"\n{name}: forward floor {floor:.3f} ms; stored logits + row_stats {stored:.3f} ms ({stored / floor:.3f}×)")
-        default = matmul_stats.MATMUL_CONFIG
-        for config in MATMUL_STATS_CONFIGS:
-            matmul_stats.MATMUL_CONFIG = config
-            try:
-                t = bench(lambda: loss_fn(x, w, y))
-                diff = abs(float(loss_fn(x, w, y)) - float(reference)) / float(reference)
-                print(f"  stats in matmul {config}: {t:.3f} ms ({t / floor:.3f}×), loss rel. diff {diff:.1e}")
-            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a result too
-                print(f"  stats in matmul {config}: {type(e).__name__}: {str(e)[:120]}")
-        matmul_stats.MATMUL_CONFIG = default
 
 
 def no_dw_sweep(name, rows_list):

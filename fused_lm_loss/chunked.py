@@ -47,8 +47,6 @@ from .options import LossOptions
 LOGITS_BUDGET_BYTES = 240 * 2**20
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
-#: Without gradients, on the Triton path, compute the row statistics inside the logits matmul (A/B switch).
-STATS_IN_MATMUL = True
 _side_streams: dict = {}
 #: torch >= 2.8 lets cuBLAS write fp32 products of bf16/fp16 operands directly (``out_dtype``).
 _HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
@@ -260,22 +258,7 @@ def run_chunks(
     if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
         grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
 
-    # No gradients on the Triton path: the row statistics come out of the logits matmul (kernels/matmul_stats.py),
-    # so the chunk holds only per-tile partials, not logits.
-    stats_in_matmul = (
-        STATS_IN_MATMUL
-        and compute_stats
-        and not needs.any()
-        and low_rank is None
-        and hasattr(ops, "matmul_row_stats")
-        and mm_dtype in (torch.bfloat16, torch.float16)
-        and hidden.stride(1) == 1
-        and weight.stride(1) == 1
-    )
-    if stats_in_matmul:
-        bytes_per_row = ops.matmul_stats.partial_bytes_per_row(shard.chunk_vocab)
-    else:
-        bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
+    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
     if rows.index is not None:  # per-chunk copies of the kept rows: h (and u) gathered, dX (and du) scattered
         rank = 0 if low_rank is None else low_rank[0].shape[1]
         bytes_per_row += (hidden.shape[1] + rank) * mm_dtype.itemsize
@@ -294,9 +277,7 @@ def run_chunks(
     )
     if chunk_rows >= n_rows:  # one chunk: each weight gradient is one matmul (fp32 inside), rounded once
         accum_dtype = weight.dtype
-    logits_buf = grad_buf = grad_lo_buf = None
-    if not stats_in_matmul:
-        logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(chunk_rows, vocab, logits_dtype, mm_dtype, split_grad, device)
+    logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(chunk_rows, vocab, logits_dtype, mm_dtype, split_grad, device)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
@@ -318,33 +299,28 @@ def run_chunks(
         end = min(start + chunk_rows, n_rows)
         h = rows.gather(hidden, start, end)
         target = rows.target[start:end]
-        if stats_in_matmul:  # the statistics come out of the logits matmul; no logits are stored
-            source = dict(hidden=h, weight=weight, bias=bias, round_logits=logits_dtype == mm_dtype)
-            stats_op, losses_op = ops.matmul_row_stats, ops.matmul_row_losses
-        else:
-            logits = logits_buf[: end - start]
-            _logits_into(logits, h, weight, bias)
-            if low_rank is not None:
-                u = rows.gather(low_rank[0], start, end)
-                _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
-            source = dict(logits=logits)
-            stats_op, losses_op = ops.row_stats, ops.row_losses
+        logits = logits_buf[: end - start]
+        _logits_into(logits, h, weight, bias)
+        if low_rank is not None:
+            u = rows.gather(low_rank[0], start, end)
+            _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
+
+        grad = grad_buf[: end - start]
+        grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
+        # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
+        # (benchmarks/NOTES.md), and one GEMM cheaper.
+        dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
         if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
-            losses_op(**source, target=target, loss_out=loss_rows[start:end], lse_out=lse_rows[start:end], **loss_options)
+            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
         elif compute_stats:  # vocab-parallel: merge the shards' statistics first
-            stats = stats_op(
-                **source, target=target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
+            stats = ops.row_stats(
+                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
             loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
                 *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
             )
         if not needs.any():
             continue
-        grad = grad_buf[: end - start]
-        grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
-        # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
-        # (benchmarks/NOTES.md), and one GEMM cheaper.
-        dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
         ops.grad_logits(
             logits,
             grad,
@@ -376,7 +352,7 @@ def run_chunks(
             torch.cuda.current_stream(device).wait_stream(side)
 
     # Free the chunk buffers first: with several chunks the dW result takes their memory (max_chunk_rows).
-    logits_buf = grad_buf = grad_lo_buf = logits = grad = grad_lo = dx_terms = source = None
+    logits_buf = grad_buf = grad_lo_buf = logits = grad = grad_lo = dx_terms = None
     grad_hidden, grad_low_rank_input = (
         None if partial is None else shard.sum_partial_grad(partial, opts).to(mm_dtype)  # one rounding
         for partial in (grad_hidden, grad_low_rank_input)

@@ -20,10 +20,7 @@ A chunk holds only a few hundred rows, too few programs to keep HBM busy if each
 each row is split into segments of SEGMENT_COLS columns: one program per (row, segment) writes partial
 (m, s, sum), and a second, tiny kernel merges a row's segments the same way vocab shards are merged::
 
-    M_i = max_k m_ik      s_i = sum_k s_ik * exp(m_ik - M_i)      t_i = sum_k t_ik      sum_i = sum_k sum_ik
-
-(one segment holds the target logit, the others 0). ``matmul_stats.py`` writes the same partials per
-vocabulary tile from inside the logits matmul, and shares this merge.
+    M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
 
 When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``row_losses`` has that
 merge kernel write the row's loss and lse directly (formula there), instead of the four statistics.
@@ -93,7 +90,7 @@ def _segment_stats_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
-    axis (so that with one segment it is ``stats``); segment 0 holds the target logit, the others 0."""
+    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -112,10 +109,9 @@ def _segment_stats_kernel(
     tl.store(out, seg_max)
     tl.store(out + n_segments * n_rows, seg_sumexp)
     tl.store(out + 3 * n_segments * n_rows, seg_sum)
-    z_target = 0.0
     if segment == 0:
         z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
-    tl.store(out + 2 * n_segments * n_rows, z_target)
+        tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
 @triton.jit
@@ -146,7 +142,7 @@ def _merge_segments_kernel(
     row_max = tl.where(row_mask, tl.max(seg_max, axis=0), 0.0)  # rows past the end: no -inf - -inf
     row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
     row_sum = tl.sum(seg_sum, axis=0)
-    z_target = tl.sum(tl.load(partial_ptr + 2 * n_segments * n_rows + offsets, mask=mask, other=0.0), axis=0)
+    z_target = tl.load(partial_ptr + 2 * n_segments * n_rows + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
         lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
         loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
@@ -193,13 +189,15 @@ def row_stats(
     """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return torch.empty((4, 0), dtype=torch.float32, device=logits.device).unbind(0)
-    partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_partials(logits, target, partial, logit_scale, softcap, need_sum)
-    if n_segments == 1:  # the partials are the statistics
-        return partial[:, 0].unbind(0)
-    return merge_partials(partial)
+        return stats[0], stats[1], stats[2], stats[3]
+    # With one segment the partials are the statistics: write them in place.
+    partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
+    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum)
+    if n_segments > 1:
+        _merge(partial, stats, stats, stats, rows, n_segments, write_loss=False)
+    return stats[0], stats[1], stats[2], stats[3]
 
 
 def row_losses(
@@ -222,34 +220,28 @@ def row_losses(
     rows, n_cols = logits.shape
     if rows == 0:
         return
-    partial = torch.empty((4, triton.cdiv(n_cols, SEGMENT_COLS), rows), dtype=torch.float32, device=logits.device)
+    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
     _segment_partials(logits, target, partial, logit_scale, softcap, need_sum=label_smoothing > 0)
-    merge_partials(
-        partial, loss_out=loss_out, lse_out=lse_out, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size
+    _merge(
+        partial,
+        partial,
+        loss_out,
+        lse_out,
+        rows,
+        n_segments,
+        write_loss=True,
+        smoothing_per_class=label_smoothing / vocab_size,
+        target_weight=1.0 - label_smoothing,
+        z_loss=z_loss,
     )
 
 
-def merge_partials(
-    partial: torch.Tensor,
-    *,
-    loss_out: torch.Tensor | None = None,
-    lse_out: torch.Tensor | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    vocab_size: int = 1,
-) -> tuple[torch.Tensor, ...] | None:
-    """Merge (4, segments, rows) partials: returns the four statistics, or with ``loss_out`` and ``lse_out``
-    writes each row's loss and lse there instead."""
-    _, n_segments, rows = partial.shape
-    write_loss = loss_out is not None
-    if write_loss:
-        assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
-        stats = partial  # unused
-    else:
-        stats = torch.empty((4, rows), dtype=torch.float32, device=partial.device)
-        loss_out = lse_out = stats
-    block_segments = triton.next_power_of_2(n_segments)
-    block_rows = max(1, min(32, 4096 // block_segments))  # at most 4096 partials per program and field
+def _merge(partial, stats, loss_out, lse_out, rows, n_segments, *, write_loss, smoothing_per_class=0.0,
+           target_weight=1.0, z_loss=0.0) -> None:
+    """Launch the merge kernel: statistics into ``stats``, or (write_loss) loss and lse into their outputs."""
+    block_rows = 32
     _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
         partial,
         stats,
@@ -257,11 +249,10 @@ def merge_partials(
         lse_out,
         rows,
         n_segments,
-        float(label_smoothing) / vocab_size,
-        1.0 - float(label_smoothing),
+        float(smoothing_per_class),
+        float(target_weight),
         float(z_loss),
         WRITE_LOSS=write_loss,
         BLOCK_ROWS=block_rows,
-        BLOCK_SEGMENTS=block_segments,
+        BLOCK_SEGMENTS=triton.next_power_of_2(n_segments),
     )
-    return None if write_loss else stats.unbind(0)
