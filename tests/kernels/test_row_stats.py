@@ -85,3 +85,41 @@ def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, seg
              label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         assert rel_err(loss, expected) < 1e-5, impl.__module__
         assert rel_err(lse_out, lse) < 1e-6, impl.__module__
+
+
+@pytest.mark.parametrize("as_copy", [False, True], ids=["strided_tiles", "tile_buffer"])
+def test_tile_stats_merged_over_column_tiles(as_copy, monkeypatch):
+    """Partials of column tiles (strided views of the chunk as in training, or copies in a separate tile
+    buffer as without gradients), split into segments, merged: the whole row's statistics and loss."""
+    from fused_lm_loss import kernels
+
+    monkeypatch.setattr(row_stats_module, "SEGMENT_COLS", 64)  # tiles of up to 160 columns: up to 3 segments
+    rows, vocab, edges = 40, 700, (0, 160, 320, 480, 640, 700)
+    logits = (torch.randn(rows, vocab) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,))
+    target[:6] = torch.tensor([0, 159, 160, 699, 640, -1])  # tile edges; -1: another vocab shard
+    logits[7, 650] += 25  # a row maximum in the last tile
+    z = logits.double() * 0.8
+    z = 3.0 * torch.tanh(z / 3.0)
+    row_max = z.amax(1)
+    has_target = target >= 0
+    expected = (row_max, torch.exp(z - row_max[:, None]).sum(1),
+                torch.where(has_target, z.gather(1, target.clamp(min=0)[:, None]).squeeze(1), 0.0), z.sum(1))
+    lse = torch.logsumexp(z, 1)
+    expected_loss = 0.9 * (lse - expected[2]) + 0.1 * (lse - z.mean(1)) + 1e-3 * lse**2
+    for ops in (kernels, torch_path):
+        counts = [ops.segment_count(b - a) for a, b in zip(edges, edges[1:])]
+        partial = ops.new_partials(rows, sum(counts), logits.device)
+        first = 0
+        for (a, b), count in zip(zip(edges, edges[1:]), counts):
+            tile = logits[:, a:b].contiguous() if as_copy else logits[:, a:b]
+            ops.tile_stats(tile, target, a, partial[:, first : first + count], logit_scale=0.8, softcap=3.0,
+                           need_sum=True)
+            first += count
+        for have, want, name in zip(ops.merge_stats(partial), expected, ("max", "sumexp", "target", "sum")):
+            assert rel_err(have, want) < 1e-5, (ops.__name__, name)
+        loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
+        ops.merge_losses(partial, loss, lse_out, label_smoothing=0.1, z_loss=1e-3, vocab_size=vocab)
+        assert rel_err(loss[has_target], expected_loss[has_target]) < 1e-5, ops.__name__
+        assert rel_err(lse_out, lse) < 1e-6, ops.__name__
+    assert sum(kernels.segment_count(b - a) for a, b in zip(edges, edges[1:])) == 3 + 3 + 3 + 3 + 1
