@@ -66,14 +66,8 @@ def main():
     parser.add_argument("--dx-rows", default="", help="name:rows,rows;name:rows... time G @ W at these chunk sizes")
     parser.add_argument("--no-dw-rows", default="", help="rows,rows: forward-only and frozen-head steps at these "
                         "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
-    parser.add_argument("--tiles", default="", help="0,8,16,32,16r2048: the fused loss at these L2 tile sizes "
-                        "(M elements; rN: forward-only chunks of N rows), four scenarios")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.tiles:
-        for name in args.shapes.split(","):
-            tile_sweep(name, args.tiles.split(","))
-        return
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
@@ -334,68 +328,6 @@ def no_dw_sweep(name, rows_list):
             fwd, frz = sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
             print(f"  {label}: forward {fwd:.2f} ms ({fwd / floor_fwd:.3f}×), frozen {frz:.2f} ms "
                   f"({frz / floor_frozen:.3f}×)   runs {[f'{a:.2f}/{b:.2f}' for a, b in runs]}")
-
-
-def tile_sweep(name, settings):
-    """The fused loss at L2 tile sizes (``chunked.L2_TILE_ELEMENTS``; "0" = one matmul per chunk, "16r2048" =
-    16M elements with forward-only chunks of 2048 rows): forward only, frozen head, training with 10% and
-    50% ignored labels, as × their floors (1, 2, 3 full-batch matmuls). 3 interleaved repeats, medians."""
-    n, h, v = SHAPES[name]
-    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
-    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
-    labels = {}
-    for frac in (0.1, 0.5):
-        y = torch.randint(0, v, (n,), device=DEVICE)
-        y[torch.rand(n, device=DEVICE) < frac] = -100
-        labels[frac] = y
-    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    defaults = chunked.L2_TILE_ELEMENTS, chunked.NO_GRAD_CHUNK_ROWS
-    results = {}
-
-    def timed(fn):
-        if not torch.cuda.is_available():
-            fn()
-            return 1.0
-        return do_bench(fn, warmup=20, rep=250, return_mode="median")
-
-    for repeat in range(3):
-        t1 = timed(lambda: torch.mm(x, w.t(), out=full))
-        t2 = timed(lambda: torch.mm(full, w, out=dx))
-        t3 = timed(lambda: torch.mm(full.t(), x, out=dw))
-        results.setdefault("floor", []).append((t1, t1 + t2, t1 + t2 + t3, t1 + t2 + t3))
-        for setting in settings:
-            elements, _, rows = setting.partition("r")
-            chunked.L2_TILE_ELEMENTS = int(float(elements) * 2**20) or None
-            chunked.NO_GRAD_CHUNK_ROWS = int(rows) if rows else defaults[1]
-            loss_fn = FusedLMLoss()
-            xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-
-            def frozen():
-                xr.grad = None
-                loss_fn(xr, w, labels[0.1]).backward()
-
-            def train(frac):
-                def step():
-                    xr.grad = wr.grad = None
-                    loss_fn(xr, wr, labels[frac]).backward()
-                return step
-
-            with torch.no_grad():
-                t_fwd = timed(lambda: loss_fn(x, w, labels[0.1]))
-            times = (t_fwd, timed(frozen), timed(train(0.1)), timed(train(0.5)))
-            results.setdefault(setting, []).append(times)
-    chunked.L2_TILE_ELEMENTS, chunked.NO_GRAD_CHUNK_ROWS = defaults
-    median = lambda runs, k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
-    floors = [median(results["floor"], k) for k in range(4)]
-    print(f"\n{name}: floors (1/2/3 matmuls) {floors[0]:.2f} / {floors[1]:.2f} / {floors[2]:.2f} ms; "
-          "× floor, medians of 3: forward | frozen | train 10% ignored | train 50% ignored")
-    for setting, runs in results.items():
-        if setting != "floor":
-            ratios = " | ".join(f"{median(runs, k) / floors[k]:.3f}" for k in range(4))
-            spread = " ".join(f"{min(r[k] for r in runs) / floors[k]:.3f}-{max(r[k] for r in runs) / floors[k]:.3f}"
-                              for k in range(4))
-            print(f"  tiles {setting:>8}M: {ratios}    (ranges {spread})")
 
 
 def profile_step(x, w, y, name):

@@ -16,7 +16,7 @@ FUSED_LM_LOSS_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovi
     --ignore tests/test_distributed.py --ignore tests/integrations tests 2>&1 | tee "$OUT/tests.log" | tail -3
 if [ -n "${PROFILE:-}" ]; then  # the per-step breakdown (~1 min); PROFILE="--shapes gemma2-2b" picks flags
     [ "$PROFILE" = 1 ] && PROFILE="--profile --variants"
-    timeout 200 python3 benchmarks/profile_chunk.py $PROFILE > "$OUT/profile.log" 2>&1
+    timeout 150 python3 benchmarks/profile_chunk.py $PROFILE > "$OUT/profile.log" 2>&1
     grep -v "^-\|Self CPU\|^ *Name\|nvjet\|void\|Warn\|warn" "$OUT/profile.log" | cut -c1-200
 fi
 timeout 330 python3 benchmarks/bench_lm_loss.py --shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b \

@@ -45,14 +45,6 @@ from .options import LossOptions
 #: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None: 240 MiB, so that with
 #: the small per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
 LOGITS_BUDGET_BYTES = 240 * 2**20
-#: The logits matmul of a chunk runs in column tiles of about this many elements (32 MiB of bf16), and the
-#: stats kernel reads each tile right after its matmul, while it is still in L2 (50 MiB on an H100/H200)
-#: instead of from HBM. None: one matmul per chunk, stats after it.
-L2_TILE_ELEMENTS: int | None = 16 * 2**20
-#: Tile widths are a multiple of this many columns (64 bf16 values = 128 bytes).
-TILE_COL_MULTIPLE = 64
-#: A forward without gradients keeps only one tile (no logits chunk), so its chunks may hold this many rows.
-NO_GRAD_CHUNK_ROWS = 8192
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
@@ -190,42 +182,17 @@ class ChunkOutputs:
     grads: tuple  # (hidden, weight, bias, low_rank_input, low_rank_weight), None where not needed
 
 
-def plan_tile_cols(vocab: int, chunk_rows: int) -> int:
-    """Columns per logits tile: about L2_TILE_ELEMENTS per tile, tiles of about equal width, a multiple of
-    TILE_COL_MULTIPLE (so that each tile's first column keeps cuBLAS's 16-byte alignment)."""
-    if L2_TILE_ELEMENTS is None:
-        return vocab
-    n_tiles = -(-vocab // max(L2_TILE_ELEMENTS // max(chunk_rows, 1), TILE_COL_MULTIPLE))
-    width = -(-vocab // n_tiles)
-    return min(vocab, -(-width // TILE_COL_MULTIPLE) * TILE_COL_MULTIPLE)
-
-
-def _logits_into(
-    out: torch.Tensor,
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    u: torch.Tensor | None = None,
-    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-    cols: tuple[int, int] | None = None,
-) -> None:
-    """out = h @ W[cols].T (+ b[cols]) (+ u @ B[cols].T); ``out`` may be fp32 while h and W are bf16/fp16
-    (fp32 logits), and a strided column tile of the chunk buffer."""
-    if cols is not None:
-        weight = weight[cols[0] : cols[1]]
-        bias = None if bias is None else bias[cols[0] : cols[1]]
+def _logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = h @ W.T (+ b); ``out`` may be fp32 while h and W are bf16/fp16 (fp32 logits)."""
     if out.dtype == h.dtype:
         if bias is None:
             torch.mm(h, weight.t(), out=out)
         else:
             torch.addmm(bias, h, weight.t(), out=out)
-    else:
-        _matmul_accumulate(out, h, weight.t(), first=True)
-        if bias is not None:
-            out += bias
-    if u is not None:
-        low_rank_weight = low_rank[1] if cols is None else low_rank[1][cols[0] : cols[1]]
-        _matmul_accumulate(out, u, low_rank_weight.t(), first=False)
+        return
+    _matmul_accumulate(out, h, weight.t(), first=True)
+    if bias is not None:
+        out += bias
 
 
 def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
@@ -291,37 +258,26 @@ def run_chunks(
     if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
         grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
 
-    # Without gradients the logits are only read by the stats: one L2-sized tile replaces the chunk buffer.
-    tile_only = compute_stats and not needs.any() and L2_TILE_ELEMENTS is not None
-    bytes_per_row = 0 if tile_only else shard.chunk_vocab * (
-        logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0)
-    )
+    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
     if rows.index is not None:  # per-chunk copies of the kept rows: h (and u) gathered, dX (and du) scattered
         rank = 0 if low_rank is None else low_rank[0].shape[1]
         bytes_per_row += (hidden.shape[1] + rank) * mm_dtype.itemsize
         bytes_per_row += (hidden.shape[1] * needs.hidden + rank * needs.low_rank_input) * grad_input_dtype.itemsize
-    if tile_only:  # fp32 partials: 4 per row and tile, tiles of >= L2_TILE_ELEMENTS / NO_GRAD_CHUNK_ROWS columns
-        bytes_per_row += 16 * -(-shard.chunk_vocab // max(L2_TILE_ELEMENTS // NO_GRAD_CHUNK_ROWS, 1))
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
     wide_dw = needs.weight and accum_dtype != weight.dtype
-    if tile_only:
-        tile_bytes = L2_TILE_ELEMENTS * logits_dtype.itemsize
-        max_rows = opts.chunk_size or min(NO_GRAD_CHUNK_ROWS, auto_chunk_rows(bytes_per_row, -tile_bytes))
-    else:
-        max_rows = max_chunk_rows(
+    chunk_rows = plan_chunk_rows(
+        n_rows,
+        max_chunk_rows(
             n_rows,
             bytes_per_row,
             opts.chunk_size,
             accumulator_bytes=weight.numel() * accum_dtype.itemsize if wide_dw else 0,
             result_bytes=weight.numel() * weight.dtype.itemsize if wide_dw else 0,
-        )
-    chunk_rows = plan_chunk_rows(n_rows, max_rows)
+        ),
+    )
     if chunk_rows >= n_rows:  # one chunk: each weight gradient is one matmul (fp32 inside), rounded once
         accum_dtype = weight.dtype
-    tile_cols = plan_tile_cols(vocab, chunk_rows)
-    logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(
-        chunk_rows, tile_cols if tile_only else vocab, logits_dtype, mm_dtype, split_grad, device
-    )
+    logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(chunk_rows, vocab, logits_dtype, mm_dtype, split_grad, device)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
     lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
@@ -339,43 +295,32 @@ def run_chunks(
         vocab_size=shard.total,
         z_loss=opts.z_loss,
     )
-    stats_options = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0)
-    tiles = [(c0, min(c0 + tile_cols, vocab)) for c0 in range(0, vocab, tile_cols)]
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h = rows.gather(hidden, start, end)
-        u = None if low_rank is None else rows.gather(low_rank[0], start, end)
         target = rows.target[start:end]
         logits = logits_buf[: end - start]
-        if not compute_stats:  # lse known (recompute in backward): the logits in one matmul
-            _logits_into(logits, h, weight, bias, u, low_rank)
-        else:
-            # Matmul and stats tile by tile (stats read the tile from L2), partials merged per chunk.
-            partial = ops.new_partials(end - start, sum(ops.segment_count(c1 - c0) for c0, c1 in tiles), device)
-            segment = 0
-            for c0, c1 in tiles:
-                tile = logits[:, : c1 - c0] if tile_only else logits[:, c0:c1]
-                _logits_into(tile, h, weight, bias, u, low_rank, cols=(c0, c1))
-                n_segments = ops.segment_count(c1 - c0)
-                ops.tile_stats(tile, target, c0, partial[:, segment : segment + n_segments], **stats_options)
-                segment += n_segments
-            if shard.group is None:  # the partials cover the whole vocabulary
-                ops.merge_losses(
-                    partial, loss_rows[start:end], lse_rows[start:end],
-                    label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total,
-                )
-            else:  # vocab-parallel: merge the shards' statistics first
-                loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
-                    *shard.merge_stats(*ops.merge_stats(partial)),
-                    label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total,
-                )
-        if not needs.any():
-            continue
+        _logits_into(logits, h, weight, bias)
+        if low_rank is not None:
+            u = rows.gather(low_rank[0], start, end)
+            _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
+
         grad = grad_buf[: end - start]
         grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
+        if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
+            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
+        elif compute_stats:  # vocab-parallel: merge the shards' statistics first
+            stats = ops.row_stats(
+                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
+            )
+            loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
+                *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
+            )
+        if not needs.any():
+            continue
         ops.grad_logits(
             logits,
             grad,

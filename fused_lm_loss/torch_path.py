@@ -77,53 +77,6 @@ def row_losses(
     lse_out.copy_(lse)
 
 
-def segment_count(n_cols: int) -> int:
-    """One partial per row for each column tile (the Triton kernel splits tiles further)."""
-    return 1
-
-
-def new_partials(rows: int, segments: int, device: torch.device) -> torch.Tensor:
-    return torch.empty((4, segments, rows), dtype=torch.float32, device=device)
-
-
-def tile_stats(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    first_col: int,
-    partial: torch.Tensor,
-    *,
-    logit_scale: float,
-    softcap: float | None,
-    need_sum: bool,
-) -> None:
-    local = target - first_col
-    local = torch.where((local >= 0) & (local < logits.shape[1]), local, torch.full_like(local, -1))
-    stats = row_stats(logits, local, logit_scale=logit_scale, softcap=softcap, need_sum=need_sum)
-    partial[:, 0].copy_(torch.stack(stats))
-
-
-def merge_stats(partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    seg_max, seg_sumexp, seg_target, seg_sum = partial.unbind(0)
-    row_max = seg_max.amax(dim=0)
-    row_sumexp = (seg_sumexp * torch.exp(seg_max - row_max)).sum(dim=0)
-    return row_max, row_sumexp, seg_target.sum(dim=0), seg_sum.sum(dim=0)
-
-
-def merge_losses(
-    partial: torch.Tensor,
-    loss_out: torch.Tensor,
-    lse_out: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-) -> None:
-    loss, lse = loss_from_stats(*merge_stats(partial), label_smoothing=label_smoothing, z_loss=z_loss,
-                                vocab_size=vocab_size)
-    loss_out.copy_(loss)
-    lse_out.copy_(lse)
-
-
 def grad_logits(
     logits: torch.Tensor,
     out: torch.Tensor,

@@ -76,7 +76,6 @@ class Case:
     grad_scaler: bool = False  # a real torch.amp.GradScaler instead of ``scaling``
     backend: str = "torch"
     functional: bool = False
-    small_tiles: bool = False  # the logits matmul and stats in 8-column tiles (chunked.L2_TILE_ELEMENTS)
     seed: int = 0
 
     @property
@@ -103,9 +102,6 @@ CASES_2 = [
     Case("functional", functional=True, options=dict(z_loss=0.01, reduction="sum"), seed=9),
     Case("triton", backend="triton", options=dict(FEATURES, chunk_size=5), bias=True, seed=10),
     Case("triton_none", backend="triton", options=dict(FEATURES, reduction="none"), seed=11),
-    Case("triton_tiles", backend="triton", options=dict(FEATURES, chunk_size=7), small_tiles=True, seed=14),
-    Case("tiles_fp32_logits", dtype=torch.bfloat16, options=dict(logits_dtype=torch.float32), small_tiles=True,
-         seed=15),
     Case("bf16", dtype=torch.bfloat16, options=dict(label_smoothing=0.1, chunk_size=8), bias=True, seed=12),
     Case("bf16_fp32_logits", dtype=torch.bfloat16, options=dict(logits_dtype=torch.float32, softcap=5.0), seed=13),
 ]
@@ -160,18 +156,6 @@ def make_data(case: Case, world: int) -> dict[str, torch.Tensor]:
 
 def run_case(case: Case, data: dict, group: Any, start: int, size: int) -> dict:
     """This rank's loss and gradients (hidden, weight shard, bias shard, u, B shard) for one case."""
-    from fused_lm_loss import chunked
-
-    saved = chunked.L2_TILE_ELEMENTS, chunked.TILE_COL_MULTIPLE
-    if case.small_tiles:
-        chunked.L2_TILE_ELEMENTS, chunked.TILE_COL_MULTIPLE = 1, 8
-    try:
-        return _run_case(case, data, group, start, size)
-    finally:
-        chunked.L2_TILE_ELEMENTS, chunked.TILE_COL_MULTIPLE = saved
-
-
-def _run_case(case: Case, data: dict, group: Any, start: int, size: int) -> dict:
     import fused_lm_loss
 
     def leaf(t: torch.Tensor | None, rows: bool = False) -> torch.Tensor | None:

@@ -102,83 +102,6 @@ def test_no_grad_forward_does_no_gradient_work(monkeypatch):
     assert not frozen.requires_grad
 
 
-def test_plan_tile_cols_covers_the_vocabulary_in_aligned_tiles(monkeypatch):
-    rng = random.Random(1)
-    cases = [(151936, 7373), (256000, 464), (128256, 8192), (32000, 1), (100, 4096), (64, 10)]
-    cases += [(rng.randint(1, 300000), rng.randint(1, 9000)) for _ in range(200)]
-    for vocab, rows in cases:
-        cols = chunked.plan_tile_cols(vocab, rows)
-        n_tiles = -(-vocab // cols)
-        assert cols == vocab or cols % chunked.TILE_COL_MULTIPLE == 0, (vocab, rows)
-        wanted = max(chunked.L2_TILE_ELEMENTS // rows, chunked.TILE_COL_MULTIPLE)
-        assert n_tiles <= -(-vocab // wanted), (vocab, rows)  # no more tiles than the L2 size asks for
-        assert cols < wanted + chunked.TILE_COL_MULTIPLE or n_tiles == 1, (vocab, rows)  # each ~ one L2 tile
-    monkeypatch.setattr(chunked, "L2_TILE_ELEMENTS", None)
-    assert chunked.plan_tile_cols(151936, 7373) == 151936
-
-
-NO_GRAD_CASES = {
-    "plain": ({}, False, False),
-    "features_bias": (dict(label_smoothing=0.2, z_loss=1e-2, softcap=5.0, logit_scale=1.3), True, False),
-    "low_rank": (dict(label_smoothing=0.1), False, True),
-    "fp32_logits_bf16": (dict(logits_dtype=torch.float32), True, False),
-}
-
-
-@pytest.mark.parametrize("case", NO_GRAD_CASES.values(), ids=NO_GRAD_CASES.keys())
-def test_no_grad_forward_keeps_one_tile_not_a_chunk(backend, monkeypatch, case):
-    """Without gradients only one (rows, tile) logits buffer exists; the loss is unchanged, chunks are up to
-    NO_GRAD_CHUNK_ROWS rows, each split into column tiles."""
-    options, with_bias, with_low_rank = case
-    dtype = torch.bfloat16 if "logits_dtype" in options else torch.float32
-    hidden, weight, labels, bias = make_inputs(70, 16, 203, dtype=dtype, bias=with_bias)
-    low_rank = None
-    if with_low_rank:
-        low_rank = (torch.randn(70, 4, dtype=dtype), torch.randn(203, 4, dtype=dtype) * 0.5)
-    monkeypatch.setattr(chunked, "L2_TILE_ELEMENTS", 1500)
-    monkeypatch.setattr(chunked, "TILE_COL_MULTIPLE", 8)
-    monkeypatch.setattr(chunked, "NO_GRAD_CHUNK_ROWS", 32)
-    buffers, chunk_rows = [], []
-    original_buffers, original_logits = chunked._chunk_buffers, chunked._logits_into
-
-    def spy_buffers(rows, vocab, *args):
-        buffers.append((rows, vocab))
-        return original_buffers(rows, vocab, *args)
-
-    def spy_logits(out, h, *args, cols=None):
-        if cols is None or cols[0] == 0:
-            chunk_rows.append(h.shape[0])
-        return original_logits(out, h, *args, cols=cols)
-
-    monkeypatch.setattr(chunked, "_chunk_buffers", spy_buffers)
-    monkeypatch.setattr(chunked, "_logits_into", spy_logits)
-    with torch.no_grad():
-        loss = FusedLMLoss(**options)(hidden, weight, labels, bias, low_rank=low_rank)
-    n_rows = int((labels != -100).sum())
-    assert buffers == [(32, chunked.plan_tile_cols(203, 32))] and buffers[0][1] < 203  # 1500 // 32 -> 48 columns
-    assert chunk_rows == [32] * (n_rows // 32) + ([n_rows % 32] if n_rows % 32 else [])
-    expected, _ = reference_loss(hidden, weight, labels, bias, low_rank=low_rank,
-                                 **{k: v for k, v in options.items() if k != "logits_dtype"})
-    assert rel_err(loss, expected) <= (2e-4 if dtype == torch.float32 else 1e-5)
-
-
-def test_tiles_or_not_give_the_same_loss_and_gradients(backend, monkeypatch):
-    """The tiled logits matmul + stats (several tiles per chunk) against one matmul per chunk."""
-    hidden, weight, labels, bias = _inputs(v=300)
-    results = []
-    for tile_elements in (None, 16 * 100):
-        monkeypatch.setattr(chunked, "L2_TILE_ELEMENTS", tile_elements)
-        monkeypatch.setattr(chunked, "TILE_COL_MULTIPLE", 8)
-        for t in (hidden, weight, bias):
-            t.grad = None
-        loss = FusedLMLoss(chunk_size=16, label_smoothing=0.1, z_loss=1e-3)(hidden, weight, labels, bias)
-        loss.backward()
-        results.append([loss.detach(), hidden.grad, weight.grad, bias.grad])
-    assert chunked.plan_tile_cols(300, 16) == 104  # three tiles
-    for untiled, tiled in zip(*results):
-        assert rel_err(tiled, untiled) <= 1e-6
-
-
 def test_frozen_head_skips_weight_gradient(monkeypatch):
     """LoRA-style frozen lm_head: no V x H accumulator, no G^T @ h matmul."""
     hidden, weight, labels, _ = _inputs()
@@ -206,10 +129,9 @@ def test_ignored_rows_skip_the_matmul(monkeypatch):
     seen_rows = []
     original = chunked._logits_into
 
-    def spy(out, h, *args, cols=None):
-        if cols is None or cols[0] == 0:  # once per chunk, not per column tile
-            seen_rows.append(h.shape[0])
-        return original(out, h, *args, cols=cols)
+    def spy(out, h, *args):
+        seen_rows.append(h.shape[0])
+        return original(out, h, *args)
 
     monkeypatch.setattr(chunked, "_logits_into", spy)
     FusedLMLoss(chunk_size=16)(hidden, weight, labels)
@@ -269,10 +191,9 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, one_chunk
     chunk_rows, accumulated = [], []
     original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
 
-    def spy_logits(out, h, *args, cols=None):
-        if cols is None or cols[0] == 0:  # once per chunk, not per column tile
-            chunk_rows.append(h.shape[0])
-        return original_logits(out, h, *args, cols=cols)
+    def spy_logits(out, h, *args):
+        chunk_rows.append(h.shape[0])
+        return original_logits(out, h, *args)
 
     def spy_add(self, a, b):
         accumulated.append(self.dtype)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_lm_loss import FusedLMLoss, chunked, fused_linear_cross_entropy
+from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
 
 from .reference import make_inputs, reference_loss, rel_err
 
@@ -17,14 +17,6 @@ OPTION_SETS = {
     "full_smoothing_ignore7": {"label_smoothing": 1.0, "ignore_index": 7},
 }
 FROZEN = {"all_trainable": (True, True), "hidden_frozen": (False, True), "head_frozen": (True, False)}
-
-
-@pytest.fixture(autouse=True)
-def small_logits_tiles(monkeypatch):
-    """These vocabularies are small: 8-column multiples and ~40-column tiles (at chunks of 8 rows), so that
-    every combination here runs the tiled logits matmul + stats with several tiles per chunk."""
-    monkeypatch.setattr(chunked, "L2_TILE_ELEMENTS", 320)
-    monkeypatch.setattr(chunked, "TILE_COL_MULTIPLE", 8)
 
 
 def call_grad_output(loss):

@@ -1,14 +1,5 @@
 """Triton kernels, one job per file. Imported only when a Triton path runs (CUDA, or TRITON_INTERPRET=1)."""
 from .grad_logits import grad_logits
-from .row_stats import merge_losses, merge_stats, new_partials, row_losses, row_stats, segment_count, tile_stats
+from .row_stats import row_losses, row_stats
 
-__all__ = [
-    "grad_logits",
-    "merge_losses",
-    "merge_stats",
-    "new_partials",
-    "row_losses",
-    "row_stats",
-    "segment_count",
-    "tile_stats",
-]
+__all__ = ["grad_logits", "row_losses", "row_stats"]

@@ -18,14 +18,11 @@ max by all-reduce(MAX), then s_i * exp(m_i - M_i), target and sum by all-reduce(
 
 A chunk holds only a few hundred rows, too few programs to keep HBM busy if each read a whole row, so
 each row is split into segments of SEGMENT_COLS columns: one program per (row, segment) writes partial
-(m, s, z_t, sum) (z_t from the one segment holding the target, 0 from the others), and a second, tiny
-kernel merges a row's segments the same way vocab shards are merged::
+(m, s, sum), and a second, tiny kernel merges a row's segments the same way vocab shards are merged::
 
-    M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        z_i,t, sum_i = sums over k
+    M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
 
-The segments may come from several column tiles of the chunk (``tile_stats`` per tile, each right after
-the matmul that wrote it, while it is still in L2; see ``chunked.py``), merged once for the chunk. When the
-chunk's partials cover the whole vocabulary (no vocab-parallel merge to come), ``merge_losses`` has the
+When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``row_losses`` has that
 merge kernel write the row's loss and lse directly (formula there), instead of the four statistics.
 
 Row offsets are int64 because rows x V passes 2**31.
@@ -82,10 +79,8 @@ def _segment_stats_kernel(
     logits_ptr,
     logits_row_stride,
     target_ptr,
-    first_target_col,
     partial_ptr,
-    partial_segment_stride,
-    partial_stat_stride,
+    n_rows,
     n_cols,
     logit_scale,
     softcap,
@@ -94,25 +89,29 @@ def _segment_stats_kernel(
     SEGMENT_COLS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """partial[k, segment, row] for k = (max, sum-exp, target logit, sum) of one row segment. The logits may
-    be a column tile of the chunk whose first column is ``first_target_col`` in the targets' numbering; the
-    segment holding the row's target writes its logit, the others 0 (so that the merge sums them)."""
+    """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
+    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    row_ptr = logits_ptr + row * logits_row_stride
     first_col = segment * SEGMENT_COLS
-    segment_ptr = logits_ptr + row * logits_row_stride + first_col
-    segment_cols = tl.minimum(n_cols - first_col, SEGMENT_COLS)
     seg_max, seg_sumexp, seg_sum = online_row_stats(
-        segment_ptr, segment_cols, logit_scale, softcap, HAS_SOFTCAP, NEED_SUM, BLOCK_V
+        row_ptr + first_col,
+        tl.minimum(n_cols - first_col, SEGMENT_COLS),
+        logit_scale,
+        softcap,
+        HAS_SOFTCAP,
+        NEED_SUM,
+        BLOCK_V,
     )
-    target = tl.load(target_ptr + row) - first_target_col - first_col
-    target = tl.where((target >= 0) & (target < segment_cols), target, -1)
-    z_target = target_logit(segment_ptr, target, logit_scale, softcap, HAS_SOFTCAP)
-    out = partial_ptr + segment * partial_segment_stride + row
+    out = partial_ptr + segment * n_rows + row
     tl.store(out, seg_max)
-    tl.store(out + partial_stat_stride, seg_sumexp)
-    tl.store(out + 2 * partial_stat_stride, z_target)
-    tl.store(out + 3 * partial_stat_stride, seg_sum)
+    tl.store(out + n_segments * n_rows, seg_sumexp)
+    tl.store(out + 3 * n_segments * n_rows, seg_sum)
+    if segment == 0:
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+        tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
 @triton.jit
@@ -130,22 +129,20 @@ def _merge_segments_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
-    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials (a contiguous
-    (4, n_segments, n_rows) buffer); with WRITE_LOSS instead the row's loss and lse (see ``merge_losses``)."""
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials; with
+    WRITE_LOSS instead the row's loss and lse (see ``row_losses``)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     segments = tl.arange(0, BLOCK_SEGMENTS)
     offsets = segments[:, None] * n_rows + rows[None, :]
     mask = (segments[:, None] < n_segments) & (rows[None, :] < n_rows)
-    stat_stride = n_segments * n_rows
     seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
-    seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
-    seg_target = tl.load(partial_ptr + 2 * stat_stride + offsets, mask=mask, other=0.0)
-    seg_sum = tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0)
+    seg_sumexp = tl.load(partial_ptr + n_segments * n_rows + offsets, mask=mask, other=0.0)
+    seg_sum = tl.load(partial_ptr + 3 * n_segments * n_rows + offsets, mask=mask, other=0.0)
     row_mask = rows < n_rows
     row_max = tl.where(row_mask, tl.max(seg_max, axis=0), 0.0)  # rows past the end: no -inf - -inf
     row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
-    z_target = tl.sum(seg_target, axis=0)  # one segment holds the target (none: another vocab shard)
     row_sum = tl.sum(seg_sum, axis=0)
+    z_target = tl.load(partial_ptr + 2 * n_segments * n_rows + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
         lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
         loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
@@ -158,35 +155,18 @@ def _merge_segments_kernel(
         tl.store(stats_ptr + 3 * n_rows + rows, row_sum, mask=row_mask)
 
 
-def segment_count(n_cols: int) -> int:
-    """How many partials ``tile_stats`` writes per row for a tile of ``n_cols`` columns."""
-    return triton.cdiv(n_cols, SEGMENT_COLS)
-
-
-def tile_stats(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    first_col: int,
-    partial: torch.Tensor,
-    *,
-    logit_scale: float,
-    softcap: float | None,
-    need_sum: bool,
+def _segment_partials(
+    logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor, logit_scale: float, softcap: float | None, need_sum: bool
 ) -> None:
-    """Segment partials of a (rows, cols) logits tile whose first column is ``first_col`` (in ``target``'s
-    numbering) into ``partial``, a (4, segment_count(cols), rows) slice of the chunk's partial buffer."""
+    """out[k, segment, row] for k = (max, sum-exp, target logit, sum); ``out`` is (4, n_segments, rows)."""
     rows, n_cols = logits.shape
-    if rows == 0:
-        return
-    assert logits.stride(1) == 1 and partial.stride(2) == 1 and partial.shape[1] == segment_count(n_cols)
-    _segment_stats_kernel[(rows, partial.shape[1])](
+    assert logits.stride(1) == 1
+    _segment_stats_kernel[(rows, out.shape[1])](
         logits,
         logits.stride(0),
         target,
-        first_col,
-        partial,
-        partial.stride(1),
-        partial.stride(0),
+        out,
+        rows,
         n_cols,
         float(logit_scale),
         float(softcap or 1.0),
@@ -198,44 +178,6 @@ def tile_stats(
     )
 
 
-def merge_stats(partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, sumexp, target_logit, logit_sum) per row, fp32, from a (4, segments, rows) partial buffer."""
-    rows = partial.shape[2]
-    stats = torch.empty((4, rows), dtype=torch.float32, device=partial.device)
-    if rows:
-        _merge(partial, stats, stats, stats, write_loss=False)
-    return stats[0], stats[1], stats[2], stats[3]
-
-
-def merge_losses(
-    partial: torch.Tensor,
-    loss_out: torch.Tensor,
-    lse_out: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-) -> None:
-    """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) from the partials over the whole
-    vocabulary, in the merge kernel::
-
-        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
-    """
-    if partial.shape[2] == 0:
-        return
-    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
-    _merge(
-        partial,
-        partial,
-        loss_out,
-        lse_out,
-        write_loss=True,
-        smoothing_per_class=label_smoothing / vocab_size,
-        target_weight=1.0 - label_smoothing,
-        z_loss=z_loss,
-    )
-
-
 def row_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -244,10 +186,18 @@ def row_stats(
     softcap: float | None,
     need_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, sumexp, target_logit, logit_sum), fp32, of a (rows, V) logits chunk: ``tile_stats`` + ``merge_stats``."""
-    partial = new_partials(logits.shape[0], segment_count(logits.shape[1]), logits.device)
-    tile_stats(logits, target, 0, partial, logit_scale=logit_scale, softcap=softcap, need_sum=need_sum)
-    return merge_stats(partial)
+    """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
+    rows, n_cols = logits.shape
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return stats[0], stats[1], stats[2], stats[3]
+    # With one segment the partials are the statistics: write them in place.
+    partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
+    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum)
+    if n_segments > 1:
+        _merge(partial, stats, stats, stats, rows, n_segments, write_loss=False)
+    return stats[0], stats[1], stats[2], stats[3]
 
 
 def row_losses(
@@ -262,22 +212,35 @@ def row_losses(
     z_loss: float,
     vocab_size: int,
 ) -> None:
-    """Per-row loss and lse of a chunk that holds the whole vocabulary: ``tile_stats`` + ``merge_losses``."""
-    partial = new_partials(logits.shape[0], segment_count(logits.shape[1]), logits.device)
-    tile_stats(logits, target, 0, partial, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0)
-    merge_losses(partial, loss_out, lse_out, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size)
+    """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
+    the statistics, then in the merge kernel::
+
+        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
+    """
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
+    _segment_partials(logits, target, partial, logit_scale, softcap, need_sum=label_smoothing > 0)
+    _merge(
+        partial,
+        partial,
+        loss_out,
+        lse_out,
+        rows,
+        n_segments,
+        write_loss=True,
+        smoothing_per_class=label_smoothing / vocab_size,
+        target_weight=1.0 - label_smoothing,
+        z_loss=z_loss,
+    )
 
 
-def new_partials(rows: int, segments: int, device: torch.device) -> torch.Tensor:
-    """The (4, segments, rows) fp32 partial buffer of a chunk."""
-    return torch.empty((4, segments, rows), dtype=torch.float32, device=device)
-
-
-def _merge(partial, stats, loss_out, lse_out, *, write_loss, smoothing_per_class=0.0, target_weight=1.0,
-           z_loss=0.0) -> None:
+def _merge(partial, stats, loss_out, lse_out, rows, n_segments, *, write_loss, smoothing_per_class=0.0,
+           target_weight=1.0, z_loss=0.0) -> None:
     """Launch the merge kernel: statistics into ``stats``, or (write_loss) loss and lse into their outputs."""
-    assert partial.is_contiguous()
-    _, n_segments, rows = partial.shape
     block_rows = 32
     _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
         partial,
