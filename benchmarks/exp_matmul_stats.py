@@ -119,8 +119,7 @@ def matmul_stats(h, w, target, cfg, *, write_logits=False, out=None):
         return None
     loss = torch.empty(m, dtype=torch.float32, device=h.device)
     lse = torch.empty_like(loss)
-    row_stats_mod._merge(partial, partial, loss, lse, m, tiles_n, write_loss=True, smoothing_per_class=0.0,
-                         target_weight=1.0, z_loss=0.0)
+    row_stats_mod.merge_partials(partial, need_sum=True, loss_out=loss, lse_out=lse)
     return loss, lse
 
 
@@ -143,7 +142,7 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def run_shape(name, configs):
+def run_shape(name, configs, library=True):
     n, hdim, v = SHAPES[name]
     g = torch.Generator(DEVICE).manual_seed(0)
     dtype = torch.float16 if name == "tiny" else torch.bfloat16  # the interpreter garbles bf16 dots of TMA loads
@@ -161,6 +160,26 @@ def run_shape(name, configs):
         t_lib = bench(lambda: loss_fn(x, w, y))
     print(f"\n{name} (N={n}, H={hdim}, V={v}): cuBLAS x @ W.T {t_cublas:.3f} ms "
           f"({2 * n * hdim * v / t_cublas / 1e9:.0f} TFLOP/s); library forward {t_lib / t_cublas:.3f}×")
+    if library:  # the library's kernel on the same inputs, alone, and its merge, and the forward with ignored rows
+        from fused_lm_loss.kernels import matmul_stats as library_kernel, merge_partials
+
+        def lib(rows):
+            p = library_kernel.matmul_partials(x[:rows], w, None, y[:rows], logits_dtype=x.dtype, logit_scale=1.0,
+                                             softcap=None, need_sum=False)
+            return p
+        part = lib(n)
+        loss_o, lse_o = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+        t_k = bench(lambda: lib(n))
+        t_k2 = bench(lambda: lib(n * 9 // 10 + 1))
+        t_merge = bench(lambda: merge_partials(part, need_sum=False, loss_out=loss_o, lse_out=lse_o))
+        y10 = y.clone()
+        y10[torch.rand(n, device=DEVICE, generator=g) < 0.1] = -100
+        with torch.no_grad():
+            t_fwd = bench(lambda: loss_fn(x, w, y10))
+        merge_partials(part, need_sum=False, loss_out=loss_o, lse_out=lse_o)
+        print(f"  library kernel: {t_k / t_cublas:.3f}× ({n} rows), {t_k2 / t_cublas:.3f}× (90% of the rows); merge "
+              f"{t_merge:.3f} ms; forward with 10% ignored {t_fwd / t_cublas:.3f}×; max |lse err| "
+              f"{(lse_o - ref_lse).abs().max().item():.2e}")
     for cfg in configs:
         try:
             t_mm = bench(lambda: matmul_stats(x, w, y, cfg, write_logits=True, out=full))
