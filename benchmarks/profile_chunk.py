@@ -66,8 +66,14 @@ def main():
     parser.add_argument("--dx-rows", default="", help="name:rows,rows;name:rows... time G @ W at these chunk sizes")
     parser.add_argument("--no-dw-rows", default="", help="rows,rows: forward-only and frozen-head steps at these "
                         "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
+    parser.add_argument("--forward", action="store_true", help="forward without gradients: stats kernel or "
+                        "matmul epilogue")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.forward:
+        for name in args.shapes.split(","):
+            forward_sweep(name)
+        return
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
@@ -328,6 +334,33 @@ def no_dw_sweep(name, rows_list):
             fwd, frz = sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
             print(f"  {label}: forward {fwd:.2f} ms ({fwd / floor_fwd:.3f}×), frozen {frz:.2f} ms "
                   f"({frz / floor_frozen:.3f}×)   runs {[f'{a:.2f}/{b:.2f}' for a, b in runs]}")
+
+
+def forward_sweep(name):
+    """Forward without gradients (10% ignored labels), × the full-batch cuBLAS matmul: cuBLAS logits +
+    row_stats, and the matmul-epilogue statistics with bf16-rounded (default) and fp32 logits. 3 interleaved
+    repeats, medians."""
+    n, h, v = SHAPES[name]
+    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), device=DEVICE)
+    y[torch.rand(n, device=DEVICE) < 0.1] = -100
+    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+    variants = {"cuBLAS + row_stats": (False, None), "epilogue": (True, None), "epilogue, fp32 logits": (True, torch.float32)}
+    results = {}
+    with torch.no_grad():
+        for repeat in range(3):
+            results.setdefault("floor", []).append(bench(lambda: torch.mm(x, w.t(), out=full)))
+            for label, (in_matmul, logits_dtype) in variants.items():
+                chunked.STATS_IN_MATMUL = in_matmul
+                loss_fn = FusedLMLoss(logits_dtype=logits_dtype)
+                results.setdefault(label, []).append(bench(lambda: loss_fn(x, w, y)))
+    chunked.STATS_IN_MATMUL = True
+    floor = sorted(results["floor"])[1]
+    print(f"\n{name}: forward floor (x @ W.T, full batch) {floor:.3f} ms")
+    for label, runs in results.items():
+        if label != "floor":
+            print(f"  {label}: {sorted(runs)[1] / floor:.3f}×   (runs {' '.join(f'{t / floor:.3f}' for t in runs)})")
 
 
 def profile_step(x, w, y, name):

@@ -10,6 +10,10 @@ Per chunk of (non-ignored) token rows::
 so the N x V logits never exist at once. Gradients are produced in forward (scaled by
 ``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
 
+Without gradients (no_grad, eval, the forward of reduction="none") nothing but the statistics needs the
+logits: on a GPU with TMA the logits matmul reduces each output tile to them in its epilogue
+(kernels/matmul_stats.py) and no logits chunk exists at all (``_losses_without_logits``).
+
 Chunks are as few as the memory allows and of equal size: each one reads and writes the whole dW
 accumulator, so their number, not their size, sets that cost (``max_chunk_rows``).
 
@@ -21,7 +25,7 @@ Buffers and their precision:
   G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
-  row stats / loss / lse  (rows,)       fp32
+  row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
   dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
                                         fp32 (then cast once) with a hi + lo G, and for vocab-parallel
                                         partials summed across ranks (in ``accum_dtype``)
@@ -45,6 +49,9 @@ from .options import LossOptions
 #: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None: 240 MiB, so that with
 #: the small per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
 LOGITS_BUDGET_BYTES = 240 * 2**20
+#: Without gradients, take the statistics from the logits matmul's epilogue where the kernel supports the
+#: inputs (kernels/matmul_stats.py): no logits chunk is written or read (a switch for A/B benchmarks).
+STATS_IN_MATMUL = True
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
@@ -250,6 +257,8 @@ def run_chunks(
     compute_stats = lse is None
 
     logits_dtype = opts.logits_dtype or mm_dtype
+    if compute_stats and not needs.any() and low_rank is None and _stats_in_matmul(ops, hidden, weight):
+        return _losses_without_logits(hidden, weight, bias, rows, opts, shard, ops, logits_dtype)
     split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
     # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
     # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
@@ -365,6 +374,50 @@ def run_chunks(
         None if grad_low_rank_weight is None else grad_low_rank_weight.result(low_rank[1].dtype),
     )
     return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
+
+
+def _stats_in_matmul(ops, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return STATS_IN_MATMUL and ops is not torch_path and ops.matmul_stats.supported(hidden, weight)
+
+
+def _losses_without_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: Rows,
+    opts: LossOptions,
+    shard: distributed.Shard,
+    ops,
+    logits_dtype: torch.dtype,
+) -> ChunkOutputs:
+    """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its epilogue
+    (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials (and gathered rows)."""
+    n_rows, smoothing = rows.count, opts.label_smoothing
+    bytes_per_row = ops.matmul_stats.partial_bytes_per_row(weight.shape[0])
+    if rows.index is not None:
+        bytes_per_row += hidden.shape[1] * hidden.element_size()
+    chunk_rows = plan_chunk_rows(n_rows, opts.chunk_size or auto_chunk_rows(bytes_per_row))
+    loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(loss)
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        partial = ops.matmul_stats.matmul_partials(
+            rows.gather(hidden, start, end),
+            weight,
+            bias,
+            rows.target[start:end],
+            logits_dtype=logits_dtype,
+            logit_scale=opts.logit_scale,
+            softcap=opts.softcap,
+            need_sum=smoothing > 0,
+        )
+        merge = dict(label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total)
+        if shard.group is None:
+            ops.merge_partials(partial, need_sum=smoothing > 0, loss_out=loss[start:end], lse_out=lse[start:end], **merge)
+        else:  # vocab-parallel: merge the shards' statistics first
+            stats = shard.merge_stats(*ops.merge_partials(partial, need_sum=smoothing > 0))
+            loss[start:end], lse[start:end] = torch_path.loss_from_stats(*stats, **merge)
+    return ChunkOutputs(loss=loss, lse=lse, grads=(None,) * 5)
 
 
 def _chunk_buffers(

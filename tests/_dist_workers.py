@@ -102,6 +102,9 @@ CASES_2 = [
     Case("functional", functional=True, options=dict(z_loss=0.01, reduction="sum"), seed=9),
     Case("triton", backend="triton", options=dict(FEATURES, chunk_size=5), bias=True, seed=10),
     Case("triton_none", backend="triton", options=dict(FEATURES, reduction="none"), seed=11),
+    # fp16 Triton forward without gradients (reduction="none"): statistics from the matmul epilogue, then merged
+    Case("triton_fp16_epilogue", backend="triton", dtype=torch.float16, options=dict(FEATURES, reduction="none"),
+         bias=True, seed=14),
     Case("bf16", dtype=torch.bfloat16, options=dict(label_smoothing=0.1, chunk_size=8), bias=True, seed=12),
     Case("bf16_fp32_logits", dtype=torch.bfloat16, options=dict(logits_dtype=torch.float32, softcap=5.0), seed=13),
 ]

@@ -4,8 +4,11 @@ import random
 import pytest
 import torch
 
+import fused_lm_loss
 import fused_lm_loss.chunked as chunked
 from fused_lm_loss import FusedLMLoss
+
+from .conftest import TEST_DEVICE, requires_triton
 
 from .reference import make_inputs, reference_loss, rel_err
 
@@ -100,6 +103,74 @@ def test_no_grad_forward_does_no_gradient_work(monkeypatch):
     expected, _ = reference_loss(hidden, weight, labels, bias)
     assert rel_err(loss, expected) <= 2e-4 and rel_err(frozen, expected) <= 2e-4
     assert not frozen.requires_grad
+
+
+EPILOGUE_CASES = {
+    "plain": ({}, False),
+    "features_bias": (dict(label_smoothing=0.2, z_loss=1e-2, softcap=5.0, logit_scale=1.3), True),
+    "fp32_logits": (dict(logits_dtype=torch.float32), False),
+}
+
+
+def _half_inputs_for_the_epilogue_kernel(n, h, v, with_bias):
+    """fp16 under the interpreter (its bf16 TMA dots are wrong), bf16 on a GPU; skip where unsupported."""
+    from fused_lm_loss.kernels import matmul_stats
+
+    dtype = torch.float16 if TEST_DEVICE == "cpu" else torch.bfloat16
+    hidden, weight, labels, bias = make_inputs(n, h, v, dtype=dtype, bias=with_bias, seed=5)
+    if not matmul_stats.supported(hidden, weight):
+        pytest.skip("the matmul-epilogue statistics need sm90+ and Triton tensor descriptors, or the interpreter")
+    return hidden, weight, labels, bias
+
+
+@requires_triton
+@pytest.mark.parametrize("case", EPILOGUE_CASES.values(), ids=EPILOGUE_CASES.keys())
+def test_no_grad_forward_takes_the_statistics_from_the_matmul(monkeypatch, case):
+    """Without gradients no logits chunk is made: the Triton path takes the row statistics from the logits
+    matmul's epilogue, chunk by chunk, and gives the stored-logits path's loss."""
+    from fused_lm_loss.kernels import matmul_stats
+
+    options, with_bias = case
+    hidden, weight, labels, bias = _half_inputs_for_the_epilogue_kernel(150, 32, 600, with_bias)
+    launches = []
+    original = matmul_stats.matmul_partials
+
+    def spy(h, *args, **kwargs):
+        launches.append(h.shape[0])
+        return original(h, *args, **kwargs)
+
+    monkeypatch.setattr(matmul_stats, "matmul_partials", spy)
+    with fused_lm_loss.use_backend("triton"), torch.no_grad():
+        stored = FusedLMLoss(chunk_size=64, **options)
+        with monkeypatch.context() as m:
+            m.setattr(chunked, "STATS_IN_MATMUL", False)
+            expected_same = stored(hidden, weight, labels, bias)
+        assert launches == []
+        _forbid(monkeypatch, chunked, "_logits_into")
+        loss = FusedLMLoss(chunk_size=64, **options)(hidden, weight, labels, bias)
+    n_rows = int((labels != -100).sum())
+    step = chunked.plan_chunk_rows(n_rows, 64)
+    assert n_rows > 64 and launches == [min(step, n_rows - start) for start in range(0, n_rows, step)]
+    reference, _ = reference_loss(hidden, weight, labels, bias,
+                                  **{k: v for k, v in options.items() if k != "logits_dtype"})
+    assert rel_err(loss, expected_same) <= 1e-5
+    assert rel_err(loss, reference) <= (1e-6 if "logits_dtype" in options else 2e-3)
+
+
+@requires_triton
+def test_reduction_none_recomputes_from_the_epilogue_lse():
+    """reduction="none": forward keeps only lse (from the matmul epilogue), backward recomputes the logits."""
+    hidden, weight, labels, bias = _half_inputs_for_the_epilogue_kernel(90, 32, 520, True)
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    with fused_lm_loss.use_backend("triton"):
+        loss = FusedLMLoss(reduction="none", chunk_size=32)(hidden, weight, labels, bias)
+        grad_output = torch.linspace(0.5, 1.5, loss.numel())
+        loss.backward(grad_output)
+    expected, grads = reference_loss(hidden, weight, labels, bias, reduction="none", grad_output=grad_output)
+    assert rel_err(loss, expected) <= (2e-3 if hidden.dtype == torch.float16 else 1e-2)  # per-token, rounded logits
+    for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        assert rel_err(t.grad, grads[name]) <= 2e-2, name
 
 
 def test_frozen_head_skips_weight_gradient(monkeypatch):

@@ -1,5 +1,6 @@
 """Triton kernels, one job per file. Imported only when a Triton path runs (CUDA, or TRITON_INTERPRET=1)."""
+from . import matmul_stats
 from .grad_logits import grad_logits
-from .row_stats import row_losses, row_stats
+from .row_stats import merge_partials, row_losses, row_stats
 
-__all__ = ["grad_logits", "row_losses", "row_stats"]
+__all__ = ["grad_logits", "matmul_stats", "merge_partials", "row_losses", "row_stats"]

@@ -23,7 +23,8 @@ each row is split into segments of SEGMENT_COLS columns: one program per (row, s
     M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
 
 When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``row_losses`` has that
-merge kernel write the row's loss and lse directly (formula there), instead of the four statistics.
+merge kernel write the row's loss and lse directly (formula in ``merge_partials``), instead of the four
+statistics. ``matmul_stats.py`` writes the same partials from the logits matmul's epilogue.
 
 Row offsets are int64 because rows x V passes 2**31.
 """
@@ -125,24 +126,34 @@ def _merge_segments_kernel(
     smoothing_per_class,
     target_weight,
     z_loss,
+    HAS_SUM: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
-    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials; with
-    WRITE_LOSS instead the row's loss and lse (see ``row_losses``)."""
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
+    (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
+    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    segments = tl.arange(0, BLOCK_SEGMENTS)
-    offsets = segments[:, None] * n_rows + rows[None, :]
-    mask = (segments[:, None] < n_segments) & (rows[None, :] < n_rows)
-    seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
-    seg_sumexp = tl.load(partial_ptr + n_segments * n_rows + offsets, mask=mask, other=0.0)
-    seg_sum = tl.load(partial_ptr + 3 * n_segments * n_rows + offsets, mask=mask, other=0.0)
     row_mask = rows < n_rows
-    row_max = tl.where(row_mask, tl.max(seg_max, axis=0), 0.0)  # rows past the end: no -inf - -inf
-    row_sumexp = tl.sum(seg_sumexp * tl.exp(seg_max - row_max[None, :]), axis=0)
-    row_sum = tl.sum(seg_sum, axis=0)
-    z_target = tl.load(partial_ptr + 2 * n_segments * n_rows + rows, mask=row_mask, other=0.0)
+    stat_stride = n_segments * n_rows
+    row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
+    row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for first in range(0, n_segments, BLOCK_SEGMENTS):
+        segments = first + tl.arange(0, BLOCK_SEGMENTS)
+        offsets = segments[:, None] * n_rows + rows[None, :]
+        mask = (segments[:, None] < n_segments) & row_mask[None, :]
+        seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
+        seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
+        new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows past the end: no -inf - -inf
+        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
+        row_max = new_max
+        if HAS_SUM:
+            row_sum += tl.sum(tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0), axis=0)
+    row_max = tl.where(row_mask, row_max, 0.0)
+    z_target = tl.load(partial_ptr + 2 * stat_stride + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
         lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
         loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
@@ -196,7 +207,7 @@ def row_stats(
     partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
     _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum)
     if n_segments > 1:
-        _merge(partial, stats, stats, stats, rows, n_segments, write_loss=False)
+        return merge_partials(partial, need_sum=need_sum)
     return stats[0], stats[1], stats[2], stats[3]
 
 
@@ -213,46 +224,59 @@ def row_losses(
     vocab_size: int,
 ) -> None:
     """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
-    the statistics, then in the merge kernel::
-
-        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
-    """
+    the segment partials, then ``merge_partials``."""
     rows, n_cols = logits.shape
     if rows == 0:
         return
-    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
     _segment_partials(logits, target, partial, logit_scale, softcap, need_sum=label_smoothing > 0)
-    _merge(
-        partial,
-        partial,
-        loss_out,
-        lse_out,
-        rows,
-        n_segments,
-        write_loss=True,
-        smoothing_per_class=label_smoothing / vocab_size,
-        target_weight=1.0 - label_smoothing,
-        z_loss=z_loss,
+    merge_partials(
+        partial, need_sum=label_smoothing > 0, loss_out=loss_out, lse_out=lse_out,
+        label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size,
     )
 
 
-def _merge(partial, stats, loss_out, lse_out, rows, n_segments, *, write_loss, smoothing_per_class=0.0,
-           target_weight=1.0, z_loss=0.0) -> None:
-    """Launch the merge kernel: statistics into ``stats``, or (write_loss) loss and lse into their outputs."""
-    block_rows = 32
-    _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
-        partial,
-        stats,
-        loss_out,
-        lse_out,
-        rows,
-        n_segments,
-        float(smoothing_per_class),
-        float(target_weight),
-        float(z_loss),
-        WRITE_LOSS=write_loss,
-        BLOCK_ROWS=block_rows,
-        BLOCK_SEGMENTS=triton.next_power_of_2(n_segments),
-    )
+def merge_partials(
+    partial: torch.Tensor,
+    *,
+    need_sum: bool,
+    loss_out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    vocab_size: int = 1,
+):
+    """Merge a (4, segments, rows) partial buffer (target logit in segment 0's slot).
+
+    Without outputs: returns the rows' (max, sumexp, target_logit, logit_sum), fp32, for a vocab-parallel
+    merge. With ``loss_out`` / ``lse_out`` (the partials cover the whole vocabulary) the merge kernel
+    writes each row's loss and lse instead::
+
+        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
+    """
+    _, n_segments, rows = partial.shape
+    assert partial.is_contiguous()
+    write_loss = loss_out is not None
+    stats = partial if write_loss else torch.empty((4, rows), dtype=torch.float32, device=partial.device)
+    if rows:
+        assert not write_loss or (loss_out.stride(0) == 1 and lse_out.stride(0) == 1)
+        block_rows = 32
+        _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
+            partial,
+            stats,
+            loss_out if write_loss else stats,
+            lse_out if write_loss else stats,
+            rows,
+            n_segments,
+            float(label_smoothing) / vocab_size,
+            1.0 - float(label_smoothing),
+            float(z_loss),
+            HAS_SUM=need_sum,
+            WRITE_LOSS=write_loss,
+            BLOCK_ROWS=block_rows,
+            BLOCK_SEGMENTS=min(triton.next_power_of_2(n_segments), 64),
+        )
+    if write_loss:
+        return None
+    return stats[0], stats[1], stats[2], stats[3]
