@@ -12,6 +12,8 @@ its share of the floor. ``--profile``: a torch.profiler pass over one fused forw
 kernels that actually ran (cuBLAS kernel names say whether a GEMM was split along K), and times the step
 with dX and dW on one stream. ``--variants``: stats segment sizes, grad launch shapes, split-K dX and other
 cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at given row counts.
+``--forward``: the forward without gradients with the statistics from the matmul epilogue or from cuBLAS
+logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
@@ -294,15 +296,21 @@ def dx_sweep(name, rows_list):
         print(f"  {c}: {t_plain:.3f} / {t_trans:.3f} / {t_split:.3f} | {t_logits:.3f}")
 
 
-def no_dw_sweep(name, rows_list):
-    """Forward-only and frozen-head steps (no dW accumulator, so no cost per chunk beyond its rows) at exact
-    chunk sizes: is one size's cuBLAS pick better per row than another's? Repeated 3 times, interleaved."""
+def _step_inputs(name):
+    """bf16 hidden states and weight (logits of std ~4), labels with 10% ignored, and a full logits buffer
+    for the floor matmul."""
     n, h, v = SHAPES[name]
     x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
     w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
     y = torch.randint(0, v, (n,), device=DEVICE)
     y[torch.rand(n, device=DEVICE) < 0.1] = -100
-    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+    return x, w, y, torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+
+
+def no_dw_sweep(name, rows_list):
+    """Forward-only and frozen-head steps (no dW accumulator, so no cost per chunk beyond its rows) at exact
+    chunk sizes: is one size's cuBLAS pick better per row than another's? Repeated 3 times, interleaved."""
+    x, w, y, full = _step_inputs(name)
     dx = torch.empty_like(x)
     planner = chunked.plan_chunk_rows
     results = {}
@@ -340,12 +348,7 @@ def forward_sweep(name):
     """Forward without gradients (10% ignored labels), × the full-batch cuBLAS matmul: cuBLAS logits +
     row_stats, and the matmul-epilogue statistics with bf16-rounded (default) and fp32 logits. 3 interleaved
     repeats, medians."""
-    n, h, v = SHAPES[name]
-    x = torch.randn(n, h, device=DEVICE, dtype=torch.bfloat16)
-    w = (torch.randn(v, h, device=DEVICE) * (4 / math.sqrt(h))).to(torch.bfloat16)
-    y = torch.randint(0, v, (n,), device=DEVICE)
-    y[torch.rand(n, device=DEVICE) < 0.1] = -100
-    full = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+    x, w, y, full = _step_inputs(name)
     variants = {"cuBLAS + row_stats": (False, None), "epilogue": (True, None), "epilogue, fp32 logits": (True, torch.float32)}
     results = {}
     with torch.no_grad():
