@@ -85,3 +85,26 @@ def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, seg
              label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         assert rel_err(loss, expected) < 1e-5, impl.__module__
         assert rel_err(lse_out, lse) < 1e-6, impl.__module__
+
+
+def test_merge_over_more_segments_than_one_block(monkeypatch):
+    """125 segments per row: the merge kernel loops over its blocks of 64 segments (one combo; the
+    interpreter makes every segment expensive)."""
+    from fused_lm_loss.kernels import row_losses
+
+    monkeypatch.setattr(row_stats_module, "SEGMENT_COLS", 8)
+    rows, vocab = 40, 1000
+    logits = (torch.randn(rows, vocab) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,))
+    target[0] = vocab - 1  # in the last segment of the second block
+    logits[3, -1] += 20  # one row's maximum in the last segment: the merge must rescale the others
+    label_smoothing, z_loss, softcap = 0.1, 1e-3, 3.0
+    z = softcap * torch.tanh(logits.double() / softcap)
+    lse = torch.logsumexp(z, 1)
+    z_target = z.gather(1, target[:, None]).squeeze(1)
+    expected = (1 - label_smoothing) * (lse - z_target) + label_smoothing * (lse - z.mean(1)) + z_loss * lse**2
+    loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
+    row_losses(logits, target, loss, lse_out, logit_scale=1.0, softcap=softcap,
+               label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+    assert rel_err(loss, expected) < 1e-5
+    assert rel_err(lse_out, lse) < 1e-6
