@@ -48,7 +48,6 @@ _HAS_FLATTEN = "flatten" in inspect.signature(tl.range.__init__).parameters
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 128, 256, 64, 3, 8  # the best of 8 configs on the H200 (v11)
 #: Storing the logits takes a 64 KiB tile of shared memory besides the 48 KiB per operand stage.
 NUM_STAGES_STORING = 3
-STORE_WITH_TMA = True  # else plain st.global from registers (no wait on the shared-memory tile); experiment
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -60,8 +59,6 @@ def _matmul_stats_kernel(
     target_ptr,
     partial_ptr,
     logits_desc,
-    logits_ptr,
-    logits_row_stride,
     n_rows,
     n_cols,
     hidden_size,
@@ -74,7 +71,6 @@ def _matmul_stats_kernel(
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
-    STORE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -106,20 +102,12 @@ def _matmul_stats_kernel(
         if ROUND_TO_BF16:  # the logits as the matmul would have stored them
             z = z.to(tl.bfloat16)
             if STORE_LOGITS:
-                if STORE_TMA:
-                    logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
-                else:
-                    tl.store(logits_ptr + rows[:, None].to(tl.int64) * logits_row_stride + cols[None, :], z,
-                             mask=row_ok[:, None] & (cols < n_cols)[None, :])
+                logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
             z = z.to(tl.float32)
         if ROUND_TO_FP16:
             z = z.to(tl.float16)
             if STORE_LOGITS:
-                if STORE_TMA:
-                    logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
-                else:
-                    tl.store(logits_ptr + rows[:, None].to(tl.int64) * logits_row_stride + cols[None, :], z,
-                             mask=row_ok[:, None] & (cols < n_cols)[None, :])
+                logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
             z = z.to(tl.float32)
         if HAS_SCALE:
             z = z * logit_scale
@@ -195,8 +183,6 @@ def matmul_partials(
         target,
         partial,
         TensorDescriptor.from_tensor(logits_out, [BLOCK_M, BLOCK_N]) if logits_out is not None else None,
-        logits_out,
-        0 if logits_out is None else logits_out.stride(0),
         rows,
         vocab,
         hidden_size,
@@ -209,7 +195,6 @@ def matmul_partials(
         HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
         STORE_LOGITS=logits_out is not None,
-        STORE_TMA=STORE_WITH_TMA,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
