@@ -13,7 +13,7 @@ kernels that actually ran (cuBLAS kernel names say whether a GEMM was split alon
 with dX and dW on one stream. ``--variants``: stats segment sizes, grad launch shapes, split-K dX and other
 cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at given row counts.
 ``--forward``: the forward without gradients with the statistics from the matmul epilogue or from cuBLAS
-logits + row_stats; ``--train``: the same choice in training steps. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
+logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
@@ -70,17 +70,11 @@ def main():
                         "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
     parser.add_argument("--forward", action="store_true", help="forward without gradients: stats kernel or "
                         "matmul epilogue")
-    parser.add_argument("--train", action="store_true", help="training steps: stats kernel or the epilogue of "
-                        "the matmul that stores the logits")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.forward:
         for name in args.shapes.split(","):
             forward_sweep(name)
-        return
-    if args.train:
-        for name in args.shapes.split(","):
-            train_sweep(name)
         return
     if args.no_dw_rows:
         for name in args.shapes.split(","):
@@ -370,64 +364,6 @@ def forward_sweep(name):
     for label, runs in results.items():
         if label != "floor":
             print(f"  {label}: {sorted(runs)[1] / floor:.3f}×   (runs {' '.join(f'{t / floor:.3f}' for t in runs)})")
-
-
-def train_sweep(name):
-    """Training steps (fwd+bwd: main 10% ignored, 50% ignored, frozen head) with the statistics from the
-    stats kernel over cuBLAS logits or from the epilogue of the Triton matmul that also stores the logits
-    (2 or 3 operand stages), × the three-matmul floor (two for the frozen head). 3 interleaved repeats,
-    medians; the epilogue's loss and gradients against the stats kernel's."""
-    from fused_lm_loss.kernels import matmul_stats
-
-    x, w, y, full = _step_inputs(name)
-    y50 = y.clone()
-    y50[torch.rand(y.shape[0], device=DEVICE) < 0.5] = -100
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    variants = {"cuBLAS + row_stats": (0, 3), "epilogue, 3 stages": (1 << 20, 3), "epilogue, 2 stages": (1 << 20, 2)}
-    scenarios = {"main": (y, True), "50% ignored": (y50, True), "frozen head": (y, False)}
-    loss_fn = FusedLMLoss()
-    results, outputs = {}, {}
-    for repeat in range(3):
-        t1 = bench(lambda: torch.mm(x, w.t(), out=full))
-        t2 = bench(lambda: torch.mm(full, w, out=dx))
-        t3 = bench(lambda: torch.mm(full.t(), x, out=dw))
-        results.setdefault("floor", []).append((t1 + t2 + t3, t1 + t2))
-        for label, (max_hidden, stages) in variants.items():
-            chunked.STATS_IN_MATMUL_MAX_HIDDEN, matmul_stats.NUM_STAGES_STORING = max_hidden, stages
-            for scenario, (labels, train_head) in scenarios.items():
-                xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
-
-                def step():
-                    xr.grad = wr.grad = None
-                    loss = loss_fn(xr, wr, labels)
-                    loss.backward()
-                    return loss
-
-                try:
-                    if repeat == 0:
-                        loss = step()
-                        outputs[label, scenario] = (loss.detach().float(), xr.grad.float(), None if wr.grad is None else wr.grad.float())
-                    results.setdefault((label, scenario), []).append(bench(step))
-                except Exception as error:  # e.g. out of shared memory at 3 stages: report, go on
-                    print(f"  {label} / {scenario}: {type(error).__name__}: {str(error)[:200]}")
-                    results.setdefault((label, scenario), []).append(float("nan"))
-    chunked.STATS_IN_MATMUL_MAX_HIDDEN, matmul_stats.NUM_STAGES_STORING = 2304, 3
-    floor3 = sorted(r[0] for r in results["floor"])[1]
-    floor2 = sorted(r[1] for r in results["floor"])[1]
-    print(f"\n{name}: floor {floor3:.3f} ms (frozen head: {floor2:.3f}), medians of 3")
-    for scenario, (_, train_head) in scenarios.items():
-        floor = floor3 if train_head else floor2
-        cells = []
-        for label in variants:
-            runs = results[label, scenario]
-            base = outputs.get(("cuBLAS + row_stats", scenario))
-            mine = outputs.get((label, scenario))
-            diff = ""
-            if base is not None and mine is not None and label != "cuBLAS + row_stats":
-                errs = [float((a - b).norm() / b.norm()) for a, b in zip(mine, base) if a is not None]
-                diff = " Δ " + "/".join(f"{e:.0e}" for e in errs)
-            cells.append(f"{label} {sorted(runs)[1] / floor:.3f}× ({' '.join(f'{t / floor:.3f}' for t in runs)}){diff}")
-        print(f"  {scenario}: " + " | ".join(cells))
 
 
 def profile_step(x, w, y, name):

@@ -10,11 +10,9 @@ Per chunk of (non-ignored) token rows::
 so the N x V logits never exist at once. Gradients are produced in forward (scaled by
 ``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
 
-On a GPU with TMA the statistics can come out of the logits matmul's epilogue instead
-(kernels/matmul_stats.py), which saves the stats pass over the chunk. Without gradients (no_grad, eval,
-the forward of reduction="none") nothing else needs the logits and no logits chunk exists at all
-(``_losses_without_logits``); with gradients the same kernel also stores the logits, where its matmul
-keeps up with cuBLAS (``STATS_IN_MATMUL_MAX_HIDDEN``).
+Without gradients (no_grad, eval, the forward of reduction="none") nothing but the statistics needs the
+logits: on a GPU with TMA the logits matmul reduces each output tile to them in its epilogue
+(kernels/matmul_stats.py) and no logits chunk exists at all (``_losses_without_logits``).
 
 Chunks are as few as the memory allows and of equal size: each one reads and writes the whole dW
 accumulator, so their number, not their size, sets that cost (``max_chunk_rows``).
@@ -54,10 +52,6 @@ LOGITS_BUDGET_BYTES = 240 * 2**20
 #: Without gradients, take the statistics from the logits matmul's epilogue where the kernel supports the
 #: inputs (kernels/matmul_stats.py): no logits chunk is written or read (a switch for A/B benchmarks).
 STATS_IN_MATMUL = True
-#: With gradients, take them there (the kernel also storing the logits) only up to this hidden size: the
-#: stats pass it saves costs ~0.5 / H of a matmul per logit, while the Triton matmul falls up to ~10%
-#: behind cuBLAS at some large shapes (benchmarks/NOTES.md, v12).
-STATS_IN_MATMUL_MAX_HIDDEN = 2304
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
@@ -266,13 +260,6 @@ def run_chunks(
     if compute_stats and not needs.any() and low_rank is None and _stats_in_matmul(ops, hidden, weight):
         return _losses_without_logits(hidden, weight, bias, rows, opts, shard, ops, logits_dtype)
     split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
-    stats_in_matmul = (
-        compute_stats
-        and low_rank is None
-        and logits_dtype == mm_dtype
-        and hidden.shape[1] <= STATS_IN_MATMUL_MAX_HIDDEN
-        and _stats_in_matmul(ops, hidden, weight)
-    )
     # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
     # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
     # (CUDA, torch < 2.8) would cost more.
@@ -285,8 +272,6 @@ def run_chunks(
         rank = 0 if low_rank is None else low_rank[0].shape[1]
         bytes_per_row += (hidden.shape[1] + rank) * mm_dtype.itemsize
         bytes_per_row += (hidden.shape[1] * needs.hidden + rank * needs.low_rank_input) * grad_input_dtype.itemsize
-    if stats_in_matmul:
-        bytes_per_row += ops.matmul_stats.partial_bytes_per_row(vocab)
     accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
     wide_dw = needs.weight and accum_dtype != weight.dtype
     chunk_rows = plan_chunk_rows(
@@ -324,25 +309,25 @@ def run_chunks(
         h = rows.gather(hidden, start, end)
         target = rows.target[start:end]
         logits = logits_buf[: end - start]
-        if stats_in_matmul and ops.matmul_stats.supported(h, weight, logits):
-            partial = ops.matmul_stats.matmul_partials(
-                h, weight, bias, target, logits_dtype=logits_dtype, logit_scale=opts.logit_scale,
-                softcap=opts.softcap, need_sum=smoothing > 0, logits_out=logits,
-            )
-            _losses_from_partials(ops, partial, opts, shard, loss_rows[start:end], lse_rows[start:end])
-        else:
-            _logits_into(logits, h, weight, bias)
-            if low_rank is not None:
-                u = rows.gather(low_rank[0], start, end)
-                _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
-            if compute_stats:
-                _losses_from_logits(ops, logits, target, opts, shard, loss_rows[start:end], lse_rows[start:end])
+        _logits_into(logits, h, weight, bias)
+        if low_rank is not None:
+            u = rows.gather(low_rank[0], start, end)
+            _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
 
         grad = grad_buf[: end - start]
         grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
+        if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
+            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
+        elif compute_stats:  # vocab-parallel: merge the shards' statistics first
+            stats = ops.row_stats(
+                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
+            )
+            loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
+                *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
+            )
         if not needs.any():
             continue
         ops.grad_logits(
@@ -426,31 +411,13 @@ def _losses_without_logits(
             softcap=opts.softcap,
             need_sum=smoothing > 0,
         )
-        _losses_from_partials(ops, partial, opts, shard, loss[start:end], lse[start:end])
+        merge = dict(label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total)
+        if shard.group is None:
+            ops.merge_partials(partial, need_sum=smoothing > 0, loss_out=loss[start:end], lse_out=lse[start:end], **merge)
+        else:  # vocab-parallel: merge the shards' statistics first
+            stats = shard.merge_stats(*ops.merge_partials(partial, need_sum=smoothing > 0))
+            loss[start:end], lse[start:end] = torch_path.loss_from_stats(*stats, **merge)
     return ChunkOutputs(loss=loss, lse=lse, grads=(None,) * 5)
-
-
-def _losses_from_logits(ops, logits, target, opts: LossOptions, shard, loss_out, lse_out) -> None:
-    """Each row's loss and lse from a logits chunk (the stats pass)."""
-    smoothing = opts.label_smoothing
-    merge = dict(label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total)
-    if shard.group is None:  # the chunk holds the whole vocabulary
-        ops.row_losses(logits, target, loss_out, lse_out, logit_scale=opts.logit_scale, softcap=opts.softcap, **merge)
-        return
-    # vocab-parallel: merge the shards' statistics first
-    stats = ops.row_stats(logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0)
-    loss_out[:], lse_out[:] = torch_path.loss_from_stats(*shard.merge_stats(*stats), **merge)
-
-
-def _losses_from_partials(ops, partial, opts: LossOptions, shard, loss_out, lse_out) -> None:
-    """Each row's loss and lse from the matmul epilogue's per-tile partial statistics."""
-    smoothing = opts.label_smoothing
-    merge = dict(label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total)
-    if shard.group is None:
-        ops.merge_partials(partial, need_sum=smoothing > 0, loss_out=loss_out, lse_out=lse_out, **merge)
-        return
-    stats = shard.merge_stats(*ops.merge_partials(partial, need_sum=smoothing > 0))
-    loss_out[:], lse_out[:] = torch_path.loss_from_stats(*stats, **merge)
 
 
 def _chunk_buffers(

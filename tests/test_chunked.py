@@ -158,42 +158,6 @@ def test_no_grad_forward_takes_the_statistics_from_the_matmul(monkeypatch, case)
 
 
 @requires_triton
-@pytest.mark.parametrize("case", [c for k, c in EPILOGUE_CASES.items() if k != "fp32_logits"],
-                         ids=[k for k in EPILOGUE_CASES if k != "fp32_logits"])
-@pytest.mark.parametrize("frozen_head", [False, True], ids=["train", "frozen_head"])
-def test_training_takes_the_statistics_from_the_matmul_that_stores_the_logits(monkeypatch, case, frozen_head):
-    """With gradients (and H <= STATS_IN_MATMUL_MAX_HIDDEN) the logits matmul also stores the chunk for the
-    gradient kernel, and no stats pass reads it: loss and gradients equal the cuBLAS + stats path's."""
-    options, with_bias = case
-    hidden, weight, labels, bias = _half_inputs_for_the_epilogue_kernel(150, 32, 600, with_bias)
-
-    def step(in_matmul):
-        leaves = [t.detach().clone().requires_grad_(not (frozen_head and t is not hidden))
-                  for t in (hidden, weight) + ((bias,) if with_bias else ())]
-        with monkeypatch.context() as m, fused_lm_loss.use_backend("triton"):
-            m.setattr(chunked, "STATS_IN_MATMUL_MAX_HIDDEN", hidden.shape[1] if in_matmul else hidden.shape[1] - 1)
-            if in_matmul:
-                _forbid(m, chunked, "_losses_from_logits")
-            loss = FusedLMLoss(chunk_size=64, **options)(leaves[0], leaves[1], labels, *leaves[2:])
-        loss.backward()
-        return loss, [t.grad for t in leaves]
-
-    loss, grads = step(True)
-    expected_loss, expected_grads = step(False)
-    reference, reference_grads = reference_loss(
-        hidden.requires_grad_(), weight.requires_grad_(), labels, None if bias is None else bias.requires_grad_(),
-        **options)
-    assert rel_err(loss, expected_loss) <= 1e-5 and rel_err(loss, reference) <= 2e-3
-    for name, got, same in zip(("hidden", "weight", "bias"), grads, expected_grads):
-        if frozen_head and name != "hidden":
-            assert got is None
-            continue
-        # the matmul kernel rounds the logits like cuBLAS but may sum in another order: one ulp apart at most
-        assert rel_err(got, same) <= 2e-3, name
-        assert rel_err(got, reference_grads[name]) <= 2e-2, name
-
-
-@requires_triton
 def test_reduction_none_recomputes_from_the_epilogue_lse():
     """reduction="none": forward keeps only lse (from the matmul epilogue), backward recomputes the logits."""
     hidden, weight, labels, bias = _half_inputs_for_the_epilogue_kernel(90, 32, 520, True)

@@ -1,7 +1,8 @@
-"""Triton kernel: the logits matmul with the row statistics in its epilogue.
+"""Triton kernel: the logits matmul with the row statistics in its epilogue (forward without gradients).
 
-Each output tile x = h[rows] @ W[cols].T (+ b[cols]) is formed in fp32 on the tensor cores and reduced in
-registers to the per-(row, tile) partials of ``row_stats``::
+Without gradients nothing needs the logits except the softmax statistics, so this kernel never writes
+them. Each output tile x = h[rows] @ W[cols].T (+ b[cols]) is formed in fp32 on the tensor cores and
+reduced in registers to the per-(row, tile) partials of ``row_stats``::
 
     z = logit_scale * x   (then softcap)        x first rounded to the logits dtype, as a stored chunk
     m = max_j z_j     s = sum_j exp(z_j - m)     sum = sum_j z_j (label smoothing)     z_t (tile holding t)
@@ -9,10 +10,6 @@ registers to the per-(row, tile) partials of ``row_stats``::
 written as partial[k, tile_n, row] (k = max, sum-exp, target logit, sum; the target logit only into
 segment 0's slot, by the one tile that holds it). The merge kernel of ``row_stats`` then gives loss and
 lse (or the four statistics, for a vocab-parallel merge): ``merge_partials``.
-
-Without gradients nothing else needs the logits, and the kernel never writes them. With gradients it also
-stores the rounded tile (``logits_out``, through a TMA store that runs while the statistics are reduced),
-so the gradient kernel reads the chunk once and no separate stats pass reads it before.
 
 The matmul is a persistent kernel (one program per SM walking the output tiles) that loads its operands
 through TMA tensor descriptors, with the tile and K loops flattened so that the next tile's loads are in
@@ -46,8 +43,6 @@ except ImportError:  # triton < 3.3
 
 _HAS_FLATTEN = "flatten" in inspect.signature(tl.range.__init__).parameters
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 128, 256, 64, 3, 8  # the best of 8 configs on the H200 (v11)
-#: Storing the logits takes a 64 KiB tile of shared memory besides the 48 KiB per operand stage.
-NUM_STAGES_STORING = 3
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -58,7 +53,6 @@ def _matmul_stats_kernel(
     bias_ptr,
     target_ptr,
     partial_ptr,
-    logits_desc,
     n_rows,
     n_cols,
     hidden_size,
@@ -70,7 +64,6 @@ def _matmul_stats_kernel(
     ROUND_TO_FP16: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
-    STORE_LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -100,15 +93,9 @@ def _matmul_stats_kernel(
         if HAS_BIAS:
             z += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
         if ROUND_TO_BF16:  # the logits as the matmul would have stored them
-            z = z.to(tl.bfloat16)
-            if STORE_LOGITS:
-                logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
-            z = z.to(tl.float32)
+            z = z.to(tl.bfloat16).to(tl.float32)
         if ROUND_TO_FP16:
-            z = z.to(tl.float16)
-            if STORE_LOGITS:
-                logits_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], z)
-            z = z.to(tl.float32)
+            z = z.to(tl.float16).to(tl.float32)
         if HAS_SCALE:
             z = z * logit_scale
         if HAS_SOFTCAP:
@@ -132,7 +119,7 @@ def _matmul_stats_kernel(
         tl.store(out + stat_stride, tile_sumexp, mask=row_ok)
 
 
-def supported(hidden: torch.Tensor, weight: torch.Tensor, logits_out: torch.Tensor | None = None) -> bool:
+def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``matmul_partials`` can run on these operands (else: cuBLAS logits + ``row_stats``)."""
     if TensorDescriptor is None or not _HAS_FLATTEN or hidden.dtype != weight.dtype:
         return False
@@ -141,11 +128,9 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor, logits_out: torch.Tens
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1" or hidden.dtype != torch.float16:
         return False  # the interpreter computes bf16 dots of TMA-loaded tiles wrongly (triton 3.9)
-    if logits_out is not None and logits_out.dtype != hidden.dtype:
-        return False  # the tile is stored in the matmul dtype (fp32 logits: cuBLAS + row_stats)
     return all(
         t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (hidden, weight) + (() if logits_out is None else (logits_out,))
+        for t in (hidden, weight)
     )
 
 
@@ -159,15 +144,12 @@ def matmul_partials(
     logit_scale: float,
     softcap: float | None,
     need_sum: bool,
-    logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The (4, tiles, rows) fp32 partials of logits = hidden @ weight.T (+ bias); the logits themselves are
-    written only into ``logits_out`` (rows, V) when given, in the matmul dtype.
+    """The (4, tiles, rows) fp32 partials of logits = hidden @ weight.T (+ bias), without writing the logits.
 
     ``logits_dtype``: the precision the logits would have been stored in (the matmul dtype, or fp32);
     the statistics are taken of the logits rounded to it, so the loss equals the stored-logits path's.
     """
-    assert logits_out is None or logits_dtype == logits_out.dtype == hidden.dtype
     rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
     tiles_n = triton.cdiv(vocab, BLOCK_N)
@@ -182,7 +164,6 @@ def matmul_partials(
         bias if bias is not None else partial,
         target,
         partial,
-        TensorDescriptor.from_tensor(logits_out, [BLOCK_M, BLOCK_N]) if logits_out is not None else None,
         rows,
         vocab,
         hidden_size,
@@ -194,12 +175,11 @@ def matmul_partials(
         ROUND_TO_FP16=logits_dtype == torch.float16,
         HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
-        STORE_LOGITS=logits_out is not None,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         NUM_PROGRAMS=programs,
-        num_stages=NUM_STAGES if logits_out is None else NUM_STAGES_STORING,
+        num_stages=NUM_STAGES,
         num_warps=NUM_WARPS,
     )
     return partial

@@ -75,31 +75,3 @@ def test_supported_refuses_what_the_kernel_cannot_load():
     odd = torch.randn(8, 41, dtype=torch.float16)  # rows of 82 bytes: not 16-byte aligned for TMA
     assert not matmul_stats.supported(odd, torch.randn(32, 41, dtype=torch.float16))
     assert not matmul_stats.supported(hidden.t().contiguous().t(), weight)  # columns not contiguous
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_out_holds_the_rounded_logits_the_statistics_are_taken_of(dtype):
-    """With ``logits_out`` the kernel also stores each tile (for the gradient pass), in the matmul dtype; the
-    partials are the same as without storing. 300 x 704: partial last row and vocabulary tiles."""
-    rows, hidden_size, vocab = 300, 40, 704  # rows of 1408 bytes: 16-byte aligned for the TMA store
-    hidden = torch.randn(rows, hidden_size).to(dtype)
-    weight = (torch.randn(vocab, hidden_size) * 0.6).to(dtype)
-    bias = (torch.randn(vocab) * 0.5).to(dtype)
-    _skip_unless_supported(hidden, weight)
-    target = torch.randint(0, vocab, (rows,))
-    logits = torch.full((rows, vocab), float("nan"), dtype=dtype)
-    assert matmul_stats.supported(hidden, weight, logits)
-    assert not matmul_stats.supported(hidden, weight, logits.float())  # stored in the matmul dtype only
-    kwargs = dict(logits_dtype=dtype, logit_scale=0.7, softcap=4.0, need_sum=True)
-    partial = matmul_stats.matmul_partials(hidden, weight, bias, target, logits_out=logits, **kwargs)
-    expected = hidden.double() @ weight.double().T + bias.double()
-    # fp32 accumulation in another order than float64: a rounded logit may land one ulp away
-    assert rel_err(logits, expected) < (1e-3 if dtype == torch.float16 else 4e-3)
-    without_store = matmul_stats.matmul_partials(hidden, weight, bias, target, **kwargs)
-    for k in (0, 1, 3):  # max, sum-exp, sum per tile; the target logit lives in tile 0's slot only
-        assert torch.equal(partial[k], without_store[k])
-    assert torch.equal(partial[2, 0], without_store[2, 0])
-    loss, lse = torch.full((2, rows), float("nan")).unbind(0)
-    merge_partials(partial, need_sum=True, loss_out=loss, lse_out=lse, vocab_size=vocab)
-    z = 4.0 * torch.tanh(0.7 * logits.double() / 4.0)  # the statistics are those of the stored logits
-    assert rel_err(lse, torch.logsumexp(z, 1)) < 1e-5
