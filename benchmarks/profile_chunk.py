@@ -70,6 +70,7 @@ def main():
                         "chunk sizes (and the automatic one), as exact sizes rather than equalized chunks")
     parser.add_argument("--forward", action="store_true", help="forward without gradients: stats kernel or "
                         "matmul epilogue")
+    parser.add_argument("--profile-frozen", action="store_true", help="only the kernels of a frozen-head step")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.forward:
@@ -79,6 +80,11 @@ def main():
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
+        return
+    if args.profile_frozen:
+        for name in args.shapes.split(","):
+            x, w, y, _ = _step_inputs(name)
+            profile_step(x, w, y, name, frozen=True)
         return
     if args.dx_rows:
         for item in args.dx_rows.split(";"):
@@ -366,11 +372,15 @@ def forward_sweep(name):
             print(f"  {label}: {sorted(runs)[1] / floor:.3f}×   (runs {' '.join(f'{t / floor:.3f}' for t in runs)})")
 
 
-def profile_step(x, w, y, name):
+def profile_step(x, w, y, name, frozen=False):
+    """One fused step (default options and ``accum_dtype=None``; ``frozen``: lm_head without gradient):
+    time with one and two streams, host issue time, and the kernels that ran; their summed GPU time against
+    the step's time says how much is gaps between kernels."""
     y = y.clone()
-    y[torch.rand(y.shape, device=DEVICE) < 0.1] = -100
-    for opts in ({}, {"accum_dtype": None}):
-        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    if not frozen:  # (the frozen head's callers pass labels with 10% ignored already)
+        y[torch.rand(y.shape, device=DEVICE) < 0.1] = -100
+    for opts in ({},) if frozen else ({}, {"accum_dtype": None}):
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(not frozen)
         loss_fn = FusedLMLoss(**opts)
 
         def step():
@@ -402,6 +412,9 @@ def profile_step(x, w, y, name):
             prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}_{len(opts)}.json"))
         sort_by = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=110))
+        events = prof.key_averages()
+        busy = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e3
+        print(f"{name} {'frozen head' if frozen else opts or 'default'}: kernels busy {busy:.2f} ms of a {t:.2f} ms step")
 
 
 if __name__ == "__main__":
