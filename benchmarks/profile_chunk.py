@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--forward", action="store_true", help="forward without gradients: stats kernel or "
                         "matmul epilogue")
     parser.add_argument("--profile-frozen", action="store_true", help="only the kernels of a frozen-head step")
+    parser.add_argument("--preamble", action="store_true", help="time the work before the first matmul")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.forward:
@@ -80,6 +81,10 @@ def main():
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
+        return
+    if args.preamble:
+        for name in args.shapes.split(","):
+            preamble_sweep(name)
         return
     if args.profile_frozen:
         for name in args.shapes.split(","):
@@ -370,6 +375,66 @@ def forward_sweep(name):
     for label, runs in results.items():
         if label != "floor":
             print(f"  {label}: {sorted(runs)[1] / floor:.3f}×   (runs {' '.join(f'{t / floor:.3f}' for t in runs)})")
+
+
+def _select_rows_two_syncs(labels, ignore_index, shard):
+    """select_rows before v13 (two host syncs, eight small kernels for the checks), for the A/B."""
+    valid = labels != ignore_index
+    out_of_range = valid & ((labels < 0) | (labels >= shard.total))
+    count, n_bad = torch.stack([valid.sum(), out_of_range.sum()]).tolist()
+    assert not n_bad
+    index = None if count == labels.numel() else torch.nonzero(valid).squeeze(1)
+    target = labels if index is None else labels[index]
+    return chunked.Rows(index=index, target=shard.local_target(target), count=count)
+
+
+def preamble_sweep(name):
+    """What the work before the first logits matmul costs a step: GPU time from the step's start to that
+    matmul (CUDA events), and step times with select_rows as now and as before v13 (two syncs), for a
+    training step (10% and 50% ignored) and a frozen head. 3 interleaved repeats, medians."""
+    x, w, y, full = _step_inputs(name)
+    full = None
+    y50 = torch.where(torch.rand(y.shape[0], device=DEVICE) < 0.5, -100, torch.randint_like(y, 0, w.shape[0]))
+    loss_fn, current = FusedLMLoss(), chunked.select_rows
+    original_logits = chunked._logits_into
+    marks = []
+
+    def marking_logits(out, *args):
+        if not marks:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+        return original_logits(out, *args)
+
+    results = {}
+    for repeat in range(3):
+        for label, select in (("now", current), ("two syncs", _select_rows_two_syncs)):
+            chunked.select_rows = select
+            for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
+                xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
+
+                def step():
+                    xr.grad = wr.grad = None
+                    loss_fn(xr, wr, labels).backward()
+
+                t = bench(step)
+                chunked._logits_into = marking_logits
+                idle = []
+                for _ in range(5):
+                    marks.clear()
+                    start = torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    start.record()
+                    step()
+                    torch.cuda.synchronize()
+                    idle.append(start.elapsed_time(marks[0]))
+                chunked._logits_into = original_logits
+                results.setdefault((scenario, label), []).append((t, sorted(idle)[2]))
+    chunked.select_rows = current
+    print(f"\n{name}: step ms / GPU ms before the first logits matmul, medians of 3")
+    for (scenario, label), runs in results.items():
+        t, idle = sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
+        print(f"  {scenario}, select_rows {label}: {t:.3f} ms, {idle:.3f} ms before the first matmul   runs "
+              + " ".join(f"{a:.3f}/{b:.3f}" for a, b in runs))
 
 
 def profile_step(x, w, y, name, frozen=False):
