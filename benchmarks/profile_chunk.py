@@ -14,6 +14,7 @@ with dX and dW on one stream. ``--variants``: stats segment sizes, grad launch s
 cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at given row counts.
 ``--forward``: the forward without gradients with the statistics from the matmul epilogue or from cuBLAS
 logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
+``--profile-frozen``: the kernels of a frozen-head step; ``--preamble``: GPU time before a step's first matmul.
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations

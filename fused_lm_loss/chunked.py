@@ -156,9 +156,9 @@ class Rows:
 def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shard) -> Rows:
     """Drop ignored tokens and check every other label is a class id.
 
-    One host sync (the row count sizes the chunks; a bad label must raise here, not in a kernel), and as
-    few small kernels as possible: on a GPU everything before the first matmul is idle time (~0.1-0.9 ms
-    per step measured, benchmarks/NOTES.md v13).
+    One host sync (the row count sizes the chunks; a bad label must raise here, not in a kernel), and few
+    small kernels: on a GPU, time before the first matmul is mostly idle, and in a training step each sync
+    also stops the host from running ahead (benchmarks/NOTES.md v13).
     """
     valid = labels != ignore_index
     if labels.numel() == 0:
