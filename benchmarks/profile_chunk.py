@@ -14,7 +14,8 @@ with dX and dW on one stream. ``--variants``: stats segment sizes, grad launch s
 cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at given row counts.
 ``--forward``: the forward without gradients with the statistics from the matmul epilogue or from cuBLAS
 logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
-``--profile-frozen``: the kernels of a frozen-head step; ``--preamble``: GPU time before a step's first matmul.
+``--profile-frozen``: the kernels of a frozen-head step; ``--preamble``: GPU time before a step's first matmul
+(``--preamble-breakdown``: host time stamps of its parts).
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main():
                         "matmul epilogue")
     parser.add_argument("--profile-frozen", action="store_true", help="only the kernels of a frozen-head step")
     parser.add_argument("--preamble", action="store_true", help="time the work before the first matmul")
+    parser.add_argument("--preamble-breakdown", action="store_true", help="host time stamps before the first matmul")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.forward:
@@ -82,6 +84,10 @@ def main():
     if args.no_dw_rows:
         for name in args.shapes.split(","):
             no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
+        return
+    if args.preamble_breakdown:
+        for name in args.shapes.split(","):
+            preamble_breakdown(name)
         return
     if args.preamble:
         for name in args.shapes.split(","):
@@ -436,6 +442,53 @@ def preamble_sweep(name):
         t, idle = sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
         print(f"  {scenario}, select_rows {label}: {t:.3f} ms, {idle:.3f} ms before the first matmul   runs "
               + " ".join(f"{a:.3f}/{b:.3f}" for a, b in runs))
+
+
+def preamble_breakdown(name):
+    """Host time stamps (perf_counter) of the steps before a frozen-head step's first logits matmul, medians
+    of 20 steps: where the GPU's idle time at the start goes."""
+    from fused_lm_loss import loss as loss_mod
+
+    x, w, y, full = _step_inputs(name)
+    full = None
+    xr, wr = x.detach().requires_grad_(), w.detach()
+    stamps = {}
+    wrapped = {}
+
+    def wrap(module, attr, label):
+        original = getattr(module, attr)
+        wrapped[module, attr] = original
+
+        def timed(*args, **kwargs):
+            stamps.setdefault(f"{label} start", time.perf_counter())
+            out = original(*args, **kwargs)
+            stamps.setdefault(f"{label} end", time.perf_counter())
+            return out
+        setattr(module, attr, timed)
+
+    wrap(loss_mod, "_check_tensors", "check_tensors")
+    wrap(chunked.FusedLinearCrossEntropyFunction, "apply", "Function.apply")
+    wrap(chunked, "select_rows", "select_rows")
+    wrap(chunked, "run_chunks", "run_chunks")
+    wrap(chunked, "_chunk_buffers", "chunk_buffers")
+    wrap(chunked, "_row_grad_buffer", "row_grad_buffer")
+    wrap(chunked, "_logits_into", "first logits")
+    loss_fn = FusedLMLoss()
+    rows = []
+    for i in range(25):
+        xr.grad = None
+        stamps.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(xr, wr, y).backward()
+        torch.cuda.synchronize()
+        if i >= 5:
+            rows.append({k: (v - t0) * 1e3 for k, v in stamps.items()})
+    for (module, attr), original in wrapped.items():
+        setattr(module, attr, original)
+    print(f"\n{name} frozen head: host ms after the call, medians of 20 steps")
+    for key in rows[0]:
+        print(f"  {key}: {sorted(r[key] for r in rows)[10]:.3f}")
 
 
 def profile_step(x, w, y, name, frozen=False):
