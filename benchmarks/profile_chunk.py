@@ -77,27 +77,18 @@ def main():
     parser.add_argument("--preamble-breakdown", action="store_true", help="host time stamps before the first matmul")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.forward:
-        for name in args.shapes.split(","):
-            forward_sweep(name)
-        return
-    if args.no_dw_rows:
-        for name in args.shapes.split(","):
-            no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")])
-        return
-    if args.preamble_breakdown:
-        for name in args.shapes.split(","):
-            preamble_breakdown(name)
-        return
-    if args.preamble:
-        for name in args.shapes.split(","):
-            preamble_sweep(name)
-        return
-    if args.profile_frozen:
-        for name in args.shapes.split(","):
-            x, w, y, _ = _step_inputs(name)
-            profile_step(x, w, y, name, frozen=True)
-        return
+    per_shape_sweeps = {
+        "forward": forward_sweep,
+        "no_dw_rows": lambda name: no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")]),
+        "preamble_breakdown": preamble_breakdown,
+        "preamble": preamble_sweep,
+        "profile_frozen": lambda name: profile_step(*_step_inputs(name)[:3], name, frozen=True),
+    }
+    for flag, sweep in per_shape_sweeps.items():
+        if getattr(args, flag):
+            for name in args.shapes.split(","):
+                sweep(name)
+            return
     if args.dx_rows:
         for item in args.dx_rows.split(";"):
             name, rows = item.split(":")
