@@ -165,7 +165,7 @@ def main():
                 kernel_variants(buf, out, tc, lse, w, kw)
             buf = out = None
         if args.profile:
-            profile_step(x, w, y, name)
+            profile_step(x, w, torch.where(torch.rand(y.shape, device=DEVICE) < 0.1, -100, y), name)
         acc16 = acc32 = None
 
 
@@ -483,12 +483,10 @@ def preamble_breakdown(name):
 
 
 def profile_step(x, w, y, name, frozen=False):
-    """One fused step (default options and ``accum_dtype=None``; ``frozen``: lm_head without gradient):
+    """One fused step on labels ``y`` (default options and ``accum_dtype=None``; ``frozen``: lm_head without
+    gradient):
     time with one and two streams, host issue time, and the kernels that ran; their summed GPU time against
     the step's time says how much is gaps between kernels."""
-    y = y.clone()
-    if not frozen:  # (the frozen head's callers pass labels with 10% ignored already)
-        y[torch.rand(y.shape, device=DEVICE) < 0.1] = -100
     for opts in ({},) if frozen else ({}, {"accum_dtype": None}):
         xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(not frozen)
         loss_fn = FusedLMLoss(**opts)
@@ -521,8 +519,8 @@ def profile_step(x, w, y, name, frozen=False):
         if os.environ.get("OUT"):
             prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}_{len(opts)}.json"))
         sort_by = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=110))
         events = prof.key_averages()
+        print(events.table(sort_by=sort_by, row_limit=12, max_name_column_width=110))
         busy = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e3
         print(f"{name} {'frozen head' if frozen else opts or 'default'}: kernels busy {busy:.2f} ms of a {t:.2f} ms step")
 

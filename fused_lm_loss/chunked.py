@@ -160,9 +160,9 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
     small kernels: on a GPU, time before the first matmul is mostly idle, and in a training step each sync
     also stops the host from running ahead (benchmarks/NOTES.md v13).
     """
-    valid = labels != ignore_index
     if labels.numel() == 0:
         return Rows(index=None, target=labels, count=0)
+    valid = labels != ignore_index
     lowest, highest = torch.aminmax(torch.where(valid, labels, 0))
     count, lowest, highest = torch.stack([valid.sum(), lowest.long(), highest.long()]).tolist()
     if lowest < 0 or highest >= shard.total:

@@ -58,6 +58,14 @@ def test_row_stats_respects_row_stride():
         assert rel_err(a, b) < 1e-6
 
 
+def _row_losses_float64(z, target, label_smoothing, z_loss):
+    """Each row's loss and lse from float64 logits z (after scale and softcap)."""
+    lse = torch.logsumexp(z, 1)
+    z_target = z.gather(1, target[:, None]).squeeze(1)
+    loss = (1 - label_smoothing) * (lse - z_target) + label_smoothing * (lse - z.mean(1)) + z_loss * lse**2
+    return loss, lse
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.2, 1e-2)])
@@ -76,9 +84,7 @@ def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, seg
     z = logits.double() * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    lse = torch.logsumexp(z, 1)
-    z_target = z.gather(1, target[:, None]).squeeze(1)
-    expected = (1 - label_smoothing) * (lse - z_target) + label_smoothing * (lse - z.mean(1)) + z_loss * lse**2
+    expected, lse = _row_losses_float64(z, target, label_smoothing, z_loss)
     for impl in (row_losses, torch_path.row_losses):
         loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
         impl(logits, target, loss, lse_out, logit_scale=logit_scale, softcap=softcap,
@@ -100,9 +106,7 @@ def test_merge_over_more_segments_than_one_block(monkeypatch):
     logits[3, -1] += 20  # one row's maximum in the last segment: the merge must rescale the others
     label_smoothing, z_loss, softcap = 0.1, 1e-3, 3.0
     z = softcap * torch.tanh(logits.double() / softcap)
-    lse = torch.logsumexp(z, 1)
-    z_target = z.gather(1, target[:, None]).squeeze(1)
-    expected = (1 - label_smoothing) * (lse - z_target) + label_smoothing * (lse - z.mean(1)) + z_loss * lse**2
+    expected, lse = _row_losses_float64(z, target, label_smoothing, z_loss)
     loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
     row_losses(logits, target, loss, lse_out, logit_scale=1.0, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
