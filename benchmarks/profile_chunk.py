@@ -15,7 +15,8 @@ cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at
 ``--forward``: the forward without gradients with the statistics from the matmul epilogue or from cuBLAS
 logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
 ``--profile-frozen``: the kernels of a frozen-head step; ``--preamble``: GPU time before a step's first matmul
-(``--preamble-breakdown``: host time stamps of its parts).
+(select_rows variants); ``--select-rows``: their host time; ``--timeline``: a profiled step's busy and idle GPU
+time, where the gaps are, and the host ops before the first matmul and at the end.
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
@@ -74,14 +75,16 @@ def main():
                         "matmul epilogue")
     parser.add_argument("--profile-frozen", action="store_true", help="only the kernels of a frozen-head step")
     parser.add_argument("--preamble", action="store_true", help="time the work before the first matmul")
-    parser.add_argument("--preamble-breakdown", action="store_true", help="host time stamps before the first matmul")
+    parser.add_argument("--select-rows", action="store_true", help="host time of select_rows variants")
+    parser.add_argument("--timeline", action="store_true", help="busy and idle GPU time of one profiled step")
     args = parser.parse_args()
     torch.manual_seed(0)
     per_shape_sweeps = {
         "forward": forward_sweep,
         "no_dw_rows": lambda name: no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")]),
-        "preamble_breakdown": preamble_breakdown,
         "preamble": preamble_sweep,
+        "timeline": timeline,
+        "select_rows": select_rows_host_time,
         "profile_frozen": lambda name: profile_step(*_step_inputs(name)[:3], name, frozen=True),
     }
     for flag, sweep in per_shape_sweeps.items():
@@ -375,20 +378,44 @@ def forward_sweep(name):
             print(f"  {label}: {sorted(runs)[1] / floor:.3f}×   (runs {' '.join(f'{t / floor:.3f}' for t in runs)})")
 
 
-def _select_rows_two_syncs(labels, ignore_index, shard):
-    """select_rows before v13 (two host syncs, eight small kernels for the checks), for the A/B."""
+def _select_rows_v13(labels, ignore_index, shard):
+    """select_rows of v13 (about ten small PyTorch kernels and one sync), for the A/B against the kept-rows
+    kernel (v14)."""
     valid = labels != ignore_index
-    out_of_range = valid & ((labels < 0) | (labels >= shard.total))
-    count, n_bad = torch.stack([valid.sum(), out_of_range.sum()]).tolist()
-    assert not n_bad
-    index = None if count == labels.numel() else torch.nonzero(valid).squeeze(1)
-    target = labels if index is None else labels[index]
-    return chunked.Rows(index=index, target=shard.local_target(target), count=count)
+    lowest, highest = torch.aminmax(torch.where(valid, labels, 0))
+    count, lowest, highest = torch.stack([valid.sum(), lowest.long(), highest.long()]).tolist()
+    assert lowest >= 0 and highest < shard.total
+    if count == labels.numel():
+        return chunked.Rows(index=None, target=labels, count=count)
+    index = torch.nonzero_static(valid, size=count).squeeze(1)
+    return chunked.Rows(index=index, target=labels[index], count=count)
+
+
+SELECT_ROWS_VARIANTS = {"kept-rows kernel (v14)": chunked.select_rows, "torch ops (v13)": _select_rows_v13}
+
+
+def select_rows_host_time(name):
+    """Host time of select_rows alone (from a synced GPU to its return), medians of 50, per variant."""
+    x, w, y, full = _step_inputs(name)
+    shard = chunked.distributed.Shard(start=0, size=w.shape[0], total=w.shape[0])
+    y50 = torch.where(torch.rand(y.shape[0], device=DEVICE) < 0.5, -100, torch.randint_like(y, 0, w.shape[0]))
+    for label, select in SELECT_ROWS_VARIANTS.items():
+        for ignored, labels in (("10%", y), ("50%", y50)):
+            times = []
+            for _ in range(60):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                rows = select(labels, -100, shard)
+                times.append(1e3 * (time.perf_counter() - t0))
+            ref = chunked.select_rows(labels, -100, shard)
+            same = torch.equal(rows.index, ref.index) and torch.equal(rows.target, ref.target)
+            print(f"{name} select_rows {label}, {ignored} ignored: {sorted(times[10:])[25]:.3f} ms host "
+                  f"(same rows: {same})")
 
 
 def preamble_sweep(name):
     """What the work before the first logits matmul costs a step: GPU time from the step's start to that
-    matmul (CUDA events), and step times with select_rows as now and as before v13 (two syncs), for a
+    matmul (CUDA events), and step times with each of SELECT_ROWS_VARIANTS, for a
     training step (10% and 50% ignored) and a frozen head. 3 interleaved repeats, medians."""
     x, w, y, full = _step_inputs(name)
     full = None
@@ -405,7 +432,7 @@ def preamble_sweep(name):
 
     results = {}
     for repeat in range(3):
-        for label, select in (("now", current), ("two syncs", _select_rows_two_syncs)):
+        for label, select in SELECT_ROWS_VARIANTS.items():
             chunked.select_rows = select
             for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
                 xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
@@ -435,52 +462,101 @@ def preamble_sweep(name):
               + " ".join(f"{a:.3f}/{b:.3f}" for a, b in runs))
 
 
-def preamble_breakdown(name):
-    """Host time stamps (perf_counter) of the steps before a frozen-head step's first logits matmul, medians
-    of 20 steps: where the GPU's idle time at the start goes."""
-    from fused_lm_loss import loss as loss_mod
+def timeline(name):
+    """Where a step's GPU time goes: one profiled step per scenario (train 10% / 50% ignored, frozen head),
+    after an L2 flush as in ``bench``. Kernel intervals give the GPU's busy time and its idle gaps (before the
+    first matmul, between kernels, after the last); the host's op spans before the first matmul say what the
+    GPU waited for. A diagnostic: CUPTI adds a little host time per launch."""
+    import json
+    import tempfile
 
     x, w, y, full = _step_inputs(name)
-    full = None
-    xr, wr = x.detach().requires_grad_(), w.detach()
-    stamps = {}
-    wrapped = {}
-
-    def wrap(module, attr, label):
-        original = getattr(module, attr)
-        wrapped[module, attr] = original
-
-        def timed(*args, **kwargs):
-            stamps.setdefault(f"{label} start", time.perf_counter())
-            out = original(*args, **kwargs)
-            stamps.setdefault(f"{label} end", time.perf_counter())
-            return out
-        setattr(module, attr, timed)
-
-    wrap(loss_mod, "_check_tensors", "check_tensors")
-    wrap(chunked.FusedLinearCrossEntropyFunction, "apply", "Function.apply")
-    wrap(chunked, "select_rows", "select_rows")
-    wrap(chunked, "run_chunks", "run_chunks")
-    wrap(chunked, "_chunk_buffers", "chunk_buffers")
-    wrap(chunked, "_row_grad_buffer", "row_grad_buffer")
-    wrap(chunked, "_logits_into", "first logits")
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    floor_logits = bench(lambda: torch.mm(x, w.t(), out=full))
+    floor_frozen = floor_logits + bench(lambda: torch.mm(full, w, out=dx))
+    floors = {"train": floor_frozen + bench(lambda: torch.mm(full.t(), x, out=dw)), "frozen": floor_frozen}
+    full = dx = dw = None
+    y50 = torch.where(torch.rand(y.shape[0], device=DEVICE) < 0.5, -100, torch.randint_like(y, 0, w.shape[0]))
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
     loss_fn = FusedLMLoss()
-    rows = []
-    for i in range(25):
-        xr.grad = None
-        stamps.clear()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss_fn(xr, wr, y).backward()
-        torch.cuda.synchronize()
-        if i >= 5:
-            rows.append({k: (v - t0) * 1e3 for k, v in stamps.items()})
-    for (module, attr), original in wrapped.items():
-        setattr(module, attr, original)
-    print(f"\n{name} frozen head: host ms after the call, medians of 20 steps")
-    for key in rows[0]:
-        print(f"  {key}: {sorted(r[key] for r in rows)[10]:.3f}")
+    for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
 
+        def step():
+            xr.grad = wr.grad = None
+            loss_fn(xr, wr, labels).backward()
+
+        t = bench(step)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(3):  # the last step is read
+                flush.zero_()
+                torch.cuda._sleep(10)  # spin_kernel: the step starts when it ends
+                with torch.profiler.record_function("timed step"):
+                    step()
+                torch.cuda._sleep(10)  # ... and ends when the next one starts
+                torch.cuda.synchronize()
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        gpu_work = ("kernel", "gpu_memcpy", "gpu_memset")  # copies count as busy too (a clone is a memcpy)
+        kernels = sorted((e for e in events if e.get("cat") in gpu_work), key=lambda e: e["ts"])
+        spins = [i for i, k in enumerate(kernels) if "spin_kernel" in k["name"]]
+        first, last = spins[-2], spins[-1]
+        begin, end = kernels[first]["ts"] + kernels[first]["dur"], kernels[last]["ts"]
+        step_kernels = kernels[first + 1 : last]
+        is_gemm = lambda n: "nvjet" in n or "gemm" in n.lower() or "xmma" in n or "cutlass" in n
+        busy, gaps, cursor, prev = 0.0, [], begin, "step start"
+        for k in step_kernels:  # union of kernel intervals (two streams may overlap)
+            k_end = k["ts"] + k["dur"]
+            if k["ts"] > cursor:
+                gaps.append((k["ts"] - cursor, prev, k["name"], cursor - begin))
+            busy += max(0.0, k_end - max(k["ts"], cursor))
+            if k_end > cursor:
+                cursor, prev = k_end, k["name"]
+        if end > cursor:
+            gaps.append((end - cursor, prev, "step end", cursor - begin))
+        first_gemm = next(k["ts"] - begin for k in step_kernels if is_gemm(k["name"]))
+        floor = floors["train" if train_head else "frozen"]
+        print(f"\n{name} {scenario}: bench {t:.2f} ms = {t / floor:.3f}× floor ({floor:.2f} ms); profiled step "
+              f"{(end - begin) / 1e3:.2f} ms, kernels busy {busy / 1e3:.2f} ms = {busy / 1e3 / floor:.3f}× floor, idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; first matmul "
+              f"starts at {first_gemm / 1e3:.3f} ms; {len(step_kernels)} kernels")
+        by_kind = {}
+        for k in step_kernels:
+            kind = "matmul" if is_gemm(k["name"]) else k["name"] if k["name"].startswith("_") else "other"
+            by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"]
+        print("  kernel time: " + "; ".join(f"{k} {v / 1e3:.3f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+        by_next = {}
+        for g in gaps:
+            by_next[g[2][:50]] = by_next.get(g[2][:50], 0.0) + g[0]
+        print("  idle before: " + "; ".join(f"{k} {v:.0f} us" for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:8]))
+        for g in sorted(gaps, key=lambda g: -g[0])[:6]:
+            print(f"  gap {g[0]:.0f} us at {g[3] / 1e3:.3f} ms: {g[1][:45]} -> {g[2][:45]}")
+        # the host's top-level ops from the step's call to its first matmul call (the last step)
+        ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+                     key=lambda e: e["ts"])
+        host0 = [e for e in ops if e["name"] == "timed step"][-1]["ts"]
+        mm = [e for e in ops if e["ts"] > host0 and e["name"] in ("aten::mm", "aten::addmm")]
+        copies = [k for k in step_kernels if k.get("cat") != "kernel"]
+        print(f"  copies and fills: " + "; ".join(f"{k['name'][:30]} {k['dur']:.0f} us at {(k['ts'] - begin) / 1e3:.3f} ms"
+                                           for k in copies[:8]))
+        runtime = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("ph") == "X"]
+        spin_launch = next(e for e in runtime if e.get("args", {}).get("correlation") == kernels[last]["args"]["correlation"])
+        print(f"  host: first matmul called {1e-3 * (mm[0]['ts'] - host0):.3f} ms after the step, end marker "
+              f"launched at {1e-3 * (spin_launch['ts'] - host0):.3f} ms; ops until the first matmul, then the "
+              f"last 40 host events:")
+        host_events = sorted(ops + runtime, key=lambda e: e["ts"])
+        head = [e for e in host_events if host0 < e["ts"] <= mm[0]["ts"] and e.get("cat") != "cuda_runtime"]
+        tail = [e for e in host_events if host0 < e["ts"] <= spin_launch["ts"]][-40:]
+        for part in (head[:70], tail):
+            stack = []
+            for e in part:
+                while stack and e["ts"] >= stack[-1]:
+                    stack.pop()
+                print(f"    {1e-3 * (e['ts'] - host0):7.3f} ms {e['dur']:6.0f} us {'  ' * len(stack)}{e['name'][:60]}")
+                stack.append(e["ts"] + e["dur"])
+            print("    ...")
 
 def profile_step(x, w, y, name, frozen=False):
     """One fused step on labels ``y`` (default options and ``accum_dtype=None``; ``frozen``: lm_head without

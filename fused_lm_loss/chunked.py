@@ -156,38 +156,25 @@ class Rows:
 def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shard) -> Rows:
     """Drop ignored tokens and check every other label is a class id.
 
-    One host sync (the row count sizes the chunks; a bad label must raise here, not in a kernel), and few
-    small kernels: on a GPU, time before the first matmul is mostly idle, and in a training step each sync
-    also stops the host from running ahead (benchmarks/NOTES.md v13).
+    One host sync (the row count sizes the chunks; a bad label must raise here, not in a kernel), after one
+    kernel that finds the kept rows, their labels and the label range (kernels/kept_rows.py): on a GPU the
+    time before the first matmul is idle, waiting for the host to issue what comes before it, and in a
+    training step each sync also stops the host from running ahead (benchmarks/NOTES.md v13, v14).
     """
     if labels.numel() == 0:
         return Rows(index=None, target=labels, count=0)
-    valid = labels != ignore_index
-    lowest, highest = torch.aminmax(torch.where(valid, labels, 0))
-    count, lowest, highest = torch.stack([valid.sum(), lowest.long(), highest.long()]).tolist()
+    positions, targets, summary = _kernels_for(labels.device).kept_rows(labels, ignore_index)
+    count, lowest, highest = summary.tolist()
     if lowest < 0 or highest >= shard.total:
-        out_of_range = valid & ((labels < 0) | (labels >= shard.total))
+        out_of_range = (labels != ignore_index) & ((labels < 0) | (labels >= shard.total))
         examples = labels[out_of_range][:5].tolist()
         raise ValueError(
             f"{int(out_of_range.sum())} label(s) are outside [0, {shard.total}) and not ignore_index={ignore_index}: "
             f"e.g. {examples}"
         )
-    index = None if count == labels.numel() else _positions(valid, count)
-    target = labels if index is None else labels[index]
-    return Rows(index=index, target=shard.local_target(target), count=count)
-
-
-def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` True entries of a 1-d mask, without a second host sync where torch can
-    (nonzero_static; on CUDA from torch 2.6)."""
-    if count == 0:
-        return torch.empty(0, dtype=torch.long, device=mask.device)
-    if not mask.is_cuda:  # no sync to save, and nonzero is the faster kernel there
-        return torch.nonzero(mask).squeeze(1)
-    try:
-        return torch.nonzero_static(mask, size=count).squeeze(1)
-    except (NotImplementedError, RuntimeError):
-        return torch.nonzero(mask).squeeze(1)
+    if count == labels.numel():
+        return Rows(index=None, target=shard.local_target(labels), count=count)
+    return Rows(index=positions[:count], target=shard.local_target(targets[:count]), count=count)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, targets, summary = (count, min, max) of the kept labels); see kernels/kept_rows.py."""
+    positions = torch.nonzero(labels != ignore_index).squeeze(1)
+    targets = labels[positions].long()
+    if positions.numel() == 0:
+        return positions, targets, torch.zeros(3, dtype=torch.int64, device=labels.device)
+    lowest, highest = torch.aminmax(targets)
+    return positions, targets, torch.stack([torch.tensor(positions.numel(), device=labels.device), lowest, highest])
+
+
 def _loss_space(logits: torch.Tensor, logit_scale: float, softcap: float | None):
     """fp32 loss-space logits z and, with softcap, tanh(.) for the chain rule."""
     z = logits.float() * logit_scale

@@ -80,3 +80,13 @@ def test_bad_scaling_and_num_items():
 
 def test_repr_shows_changed_options():
     assert "label_smoothing=0.1" in repr(FusedLMLoss(label_smoothing=0.1))
+
+
+def test_bad_label_among_ignored_ones_raises(backend):
+    """The label range is checked over the kept labels only: -100 passes, a bad label next to it does not."""
+    hidden, weight, labels, _ = make_inputs(6, 8, 10, ignore_frac=0.0)
+    labels[::2] = -100
+    FusedLMLoss()(hidden, weight, labels)  # fine
+    labels[1] = 10
+    with pytest.raises(ValueError, match="outside"):
+        FusedLMLoss()(hidden, weight, labels)
