@@ -413,6 +413,18 @@ def select_rows_host_time(name):
                   f"(same rows: {same})")
 
 
+def _scenario_steps(x, w, y, y50, loss_fn):
+    """(scenario, step, lm_head trained) for a training step at 10% and 50% ignored labels and a frozen head."""
+    for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
+
+        def step(xr=xr, wr=wr, labels=labels):
+            xr.grad = wr.grad = None
+            loss_fn(xr, wr, labels).backward()
+
+        yield scenario, step, train_head
+
+
 def preamble_sweep(name):
     """What the work before the first logits matmul costs a step: GPU time from the step's start to that
     matmul (CUDA events), and step times with each of SELECT_ROWS_VARIANTS, for a
@@ -434,13 +446,7 @@ def preamble_sweep(name):
     for repeat in range(3):
         for label, select in SELECT_ROWS_VARIANTS.items():
             chunked.select_rows = select
-            for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
-                xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
-
-                def step():
-                    xr.grad = wr.grad = None
-                    loss_fn(xr, wr, labels).backward()
-
+            for scenario, step, train_head in _scenario_steps(x, w, y, y50, loss_fn):
                 t = bench(step)
                 chunked._logits_into = marking_logits
                 idle = []
@@ -479,13 +485,7 @@ def timeline(name):
     y50 = torch.where(torch.rand(y.shape[0], device=DEVICE) < 0.5, -100, torch.randint_like(y, 0, w.shape[0]))
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
     loss_fn = FusedLMLoss()
-    for scenario, labels, train_head in (("train", y, True), ("train 50%", y50, True), ("frozen", y, False)):
-        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
-
-        def step():
-            xr.grad = wr.grad = None
-            loss_fn(xr, wr, labels).backward()
-
+    for scenario, step, train_head in _scenario_steps(x, w, y, y50, loss_fn):
         t = bench(step)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
