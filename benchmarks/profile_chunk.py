@@ -16,14 +16,12 @@ cuBLAS entry points for the logits. ``--dx-rows qwen2.5-0.5b:768,832``: G @ W at
 logits + row_stats. ``--no-dw-rows 4096``: forward-only and frozen-head steps at given chunk sizes.
 ``--profile-frozen``: the kernels of a frozen-head step; ``--preamble``: GPU time before a step's first matmul
 (select_rows variants); ``--select-rows``: their host time; ``--timeline``: a profiled step's busy and idle GPU
-time, where the gaps are, and the host ops before the first matmul and at the end. ``--fused-grad``: the row
-losses and the logits gradient in one kernel (launch variants) against two, at a chunk and in whole steps.
+time, where the gaps are, and the host ops before the first matmul and at the end.
 Without a GPU (``TRITON_INTERPRET=1 ... --shapes tiny``) every step runs once, as a dry run.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import math
 import os
@@ -79,8 +77,6 @@ def main():
     parser.add_argument("--preamble", action="store_true", help="time the work before the first matmul")
     parser.add_argument("--select-rows", action="store_true", help="host time of select_rows variants")
     parser.add_argument("--timeline", action="store_true", help="busy and idle GPU time of one profiled step")
-    parser.add_argument("--fused-grad", action="store_true", help="row losses + logits gradient in one kernel "
-                        "or two: the kernels at a chunk, and the steps")
     args = parser.parse_args()
     torch.manual_seed(0)
     per_shape_sweeps = {
@@ -88,7 +84,6 @@ def main():
         "no_dw_rows": lambda name: no_dw_sweep(name, [int(r) for r in args.no_dw_rows.split(",")]),
         "preamble": preamble_sweep,
         "timeline": timeline,
-        "fused_grad": fused_grad_sweep,
         "select_rows": select_rows_host_time,
         "profile_frozen": lambda name: profile_step(*_step_inputs(name)[:3], name, frozen=True),
     }
@@ -235,7 +230,7 @@ def kernel_variants(buf, out, target, lse, w, kw):
                 continue
             t = bench(lambda: row_stats_mod._segment_stats_kernel[(rows, n_segments(segment))](
                 buf, buf.stride(0), target, partial, rows, v, 1.0, 1.0, HAS_SOFTCAP=False, NEED_SUM=False,
-                SEGMENT_COLS=segment, BLOCK_V=block, EVICTION="", num_warps=warps))
+                SEGMENT_COLS=segment, BLOCK_V=block, num_warps=warps))
             line.append(f"stats segments only, {segment} cols, {block}/{warps}w {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
         for block, warps in ((2048, 4), (4096, 8)):
             for kernel, label in ((_two_pass_stats, "two-pass"), (_lane_online_stats, "per-lane online")):
@@ -416,80 +411,6 @@ def select_rows_host_time(name):
             same = torch.equal(rows.index, ref.index) and torch.equal(rows.target, ref.target)
             print(f"{name} select_rows {label}, {ignored} ignored: {sorted(times[10:])[25]:.3f} ms host "
                   f"(same rows: {same})")
-
-
-FUSED_GRAD_VARIANTS = {  # launch shapes of kernels.losses_and_grad
-    "4 rows, 4 warps, segment-wide grad items": dict(rows_per_group=4, num_warps=4, block_v=2048),
-    "4 rows, 4 warps, 2048-column grad items": dict(rows_per_group=4, num_warps=4, block_v=2048, grad_cols=2048),
-    "4 rows, 8 warps, 2048-column grad items": dict(rows_per_group=4, num_warps=8, block_v=2048, grad_cols=2048),
-    "8 rows, 8 warps, 4096-column grad items": dict(rows_per_group=8, num_warps=8, block_v=4096, grad_cols=4096),
-    "1 row, 4 warps, 2048-column grad items": dict(rows_per_group=1, num_warps=4, block_v=2048, grad_cols=2048),
-    "2 rows, 4 warps, 4096-column grad items": dict(rows_per_group=2, num_warps=4, block_v=4096, grad_cols=4096),
-    "4 rows, 4 warps, segment-wide grad items, L2 hints": dict(rows_per_group=4, num_warps=4, keep_in_l2=True),
-    "4 rows, 4 warps, 2048-column grad items, L2 hints": dict(rows_per_group=4, num_warps=4, grad_cols=2048,
-                                                              keep_in_l2=True),
-}
-
-
-def fused_grad_sweep(name):
-    """Row losses + logits gradient of one chunk (automatic rows, frozen head's budget): ``row_losses`` then
-    ``grad_logits`` against ``losses_and_grad`` in FUSED_GRAD_VARIANTS (GB/s of HBM traffic counted as one
-    read and one write of the chunk; max differences to the two-kernel result); then whole steps with
-    chunked.FUSED_LOSSES_AND_GRAD off / on, 3 interleaved repeats, medians, × floor."""
-    x, w, y, full = _step_inputs(name)
-    n, v = x.shape[0], w.shape[0]
-    rows = chunked.plan_chunk_rows(int((y != -100).sum()), auto_chunk_rows(v * 2))
-    torch.mm(x[:rows], w.t(), out=full[:rows])
-    logits = full[:rows].clone()
-    full = None
-    target = y[y != -100][:rows].contiguous()
-    kw = dict(logit_scale=1.0, softcap=None, label_smoothing=0.0, vocab_size=v, z_loss=0.0)
-    loss0, lse0 = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
-    grad0 = torch.empty_like(logits)
-
-    def two_kernels():
-        kernels.row_losses(logits, target, loss0, lse0, **kw)
-        kernels.grad_logits(logits, grad0, target, lse0, grad_scale=1 / n, row_scale=None, **kw)
-
-    two_kernels()
-    nbytes = 2 * logits.numel() * logits.element_size()
-    t = bench(two_kernels)
-    print(f"\n{name}, {rows}-row chunk: row_losses + grad_logits {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s)")
-    loss1, lse1, grad1 = torch.empty_like(loss0), torch.empty_like(lse0), torch.empty_like(grad0)
-    timings = {}
-    for label, launch in FUSED_GRAD_VARIANTS.items():
-        def fused():
-            kernels.losses_and_grad(logits, grad1, target, loss1, lse1, grad_scale=1 / n, **launch, **kw)
-        fused()
-        diff = max((loss1 - loss0).abs().max().item(), (lse1 - lse0).abs().max().item(),
-                   (grad1.float() - grad0.float()).abs().max().item())
-        t = timings[label] = bench(fused)
-        print(f"  losses_and_grad {label}: {t:.3f} ms ({nbytes / t / 1e6:.0f} GB/s), max difference {diff:.1e}")
-    logits = grad0 = grad1 = None
-    best = min(timings, key=timings.get)
-    print(f"  steps with {best}")
-    original = kernels.losses_and_grad
-    kernels.losses_and_grad = functools.partial(original, **FUSED_GRAD_VARIANTS[best])
-
-    x, w, y, full = _step_inputs(name)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    floor_frozen = bench(lambda: torch.mm(x, w.t(), out=full)) + bench(lambda: torch.mm(full, w, out=dx))
-    floors = {True: floor_frozen + bench(lambda: torch.mm(full.t(), x, out=dw)), False: floor_frozen}
-    full = dx = dw = None
-    y50 = torch.where(torch.rand(n, device=DEVICE) < 0.5, -100, torch.randint_like(y, 0, v))
-    results = {}
-    for repeat in range(3):
-        for fused_on in (False, True):
-            chunked.FUSED_LOSSES_AND_GRAD = fused_on
-            for scenario, step, train_head in _scenario_steps(x, w, y, y50, FusedLMLoss()):
-                results.setdefault((scenario, fused_on), []).append(bench(step) / floors[train_head])
-    chunked.FUSED_LOSSES_AND_GRAD = True
-    kernels.losses_and_grad = original
-    for scenario in ("train", "train 50%", "frozen"):
-        two, one = (sorted(results[(scenario, f)]) for f in (False, True))
-        print(f"  {name} {scenario}: two kernels {two[1]:.3f}×, one kernel {one[1]:.3f}× floor   runs "
-              + " ".join(f"{a:.3f}" for a in results[(scenario, False)]) + " | "
-              + " ".join(f"{a:.3f}" for a in results[(scenario, True)]))
 
 
 def _scenario_steps(x, w, y, y50, loss_fn):

@@ -52,9 +52,6 @@ LOGITS_BUDGET_BYTES = 240 * 2**20
 #: Without gradients, take the statistics from the logits matmul's epilogue where the kernel supports the
 #: inputs (kernels/matmul_stats.py): no logits chunk is written or read (a switch for A/B benchmarks).
 STATS_IN_MATMUL = True
-#: Row losses and the logits gradient of a chunk in one kernel (kernels/losses_and_grad.py) where the chunk holds
-#: the whole vocabulary (a switch for A/B benchmarks).
-FUSED_LOSSES_AND_GRAD = True
 #: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
 OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
@@ -331,35 +328,27 @@ def run_chunks(
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
-        whole_vocab = shard.group is None
-        if compute_stats and whole_vocab and needs.any() and FUSED_LOSSES_AND_GRAD:
-            # one launch; each logit read once from HBM (kernels/losses_and_grad.py)
-            ops.losses_and_grad(
-                logits, grad, target, loss_rows[start:end], lse_rows[start:end],
-                grad_scale=grad_scale, out_lo=grad_lo, **loss_options,
+        if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
+            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
+        elif compute_stats:  # vocab-parallel: merge the shards' statistics first
+            stats = ops.row_stats(
+                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
             )
-        else:
-            if compute_stats and whole_vocab:
-                ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
-            elif compute_stats:  # vocab-parallel: merge the shards' statistics first
-                stats = ops.row_stats(
-                    logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
-                )
-                loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
-                    *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
-                )
-            if not needs.any():
-                continue
-            ops.grad_logits(
-                logits,
-                grad,
-                target,
-                lse_rows[start:end],
-                grad_scale=grad_scale,
-                row_scale=None if row_scale is None else row_scale[start:end],
-                out_lo=grad_lo,
-                **loss_options,
+            loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
+                *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
             )
+        if not needs.any():
+            continue
+        ops.grad_logits(
+            logits,
+            grad,
+            target,
+            lse_rows[start:end],
+            grad_scale=grad_scale,
+            row_scale=None if row_scale is None else row_scale[start:end],
+            out_lo=grad_lo,
+            **loss_options,
+        )
         # dX beside dW; with no weight gradient (frozen lm_head) there is nothing to run beside
         has_dx = grad_hidden is not None or grad_low_rank_input is not None
         has_dw = grad_weight is not None or grad_low_rank_weight is not None

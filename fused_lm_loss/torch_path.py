@@ -114,26 +114,3 @@ def grad_logits(
     if out_lo is not None:
         out_lo.copy_(grad - out.float())
 
-
-
-def losses_and_grad(
-    logits: torch.Tensor,
-    out: torch.Tensor,
-    target: torch.Tensor,
-    loss_out: torch.Tensor,
-    lse_out: torch.Tensor,
-    *,
-    grad_scale: float,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    vocab_size: int,
-    z_loss: float,
-    out_lo: torch.Tensor | None = None,
-) -> None:
-    """``row_losses``, then ``grad_logits`` (kernels/losses_and_grad.py does both in one launch)."""
-    options = dict(
-        logit_scale=logit_scale, softcap=softcap, label_smoothing=label_smoothing, vocab_size=vocab_size, z_loss=z_loss
-    )
-    row_losses(logits, target, loss_out, lse_out, **options)
-    grad_logits(logits, out, target, lse_out, grad_scale=grad_scale, row_scale=None, out_lo=out_lo, **options)

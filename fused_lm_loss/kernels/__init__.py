@@ -2,7 +2,6 @@
 from . import matmul_stats
 from .grad_logits import grad_logits
 from .kept_rows import kept_rows
-from .losses_and_grad import losses_and_grad
 from .row_stats import merge_partials, row_losses, row_stats
 
-__all__ = ["grad_logits", "kept_rows", "losses_and_grad", "matmul_stats", "merge_partials", "row_losses", "row_stats"]
+__all__ = ["grad_logits", "kept_rows", "matmul_stats", "merge_partials", "row_losses", "row_stats"]

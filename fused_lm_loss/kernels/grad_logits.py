@@ -39,25 +39,6 @@ def store_grad(grad_ptr, grad_lo_ptr, offsets, grad, mask, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def grad_of_logits(
-    x, cols, target, lse, scale, logit_scale, softcap, smoothing_per_class, target_weight, z_loss,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """d(loss)/dx for raw logits ``x`` (fp32) at columns ``cols`` of a row (formula in the module doc);
-    ``scale`` is the row's gradient scale."""
-    z = x * logit_scale
-    if HAS_SOFTCAP:
-        capped = tanh(z / softcap)
-        z = softcap * capped
-    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
-    grad = tl.where(cols == target, grad - target_weight, grad)
-    grad = grad * (scale * logit_scale)
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
-    return grad
-
-
-@triton.jit
 def _grad_logits_kernel(
     logits_ptr,
     logits_row_stride,
@@ -86,10 +67,16 @@ def _grad_logits_kernel(
     scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
-    grad = grad_of_logits(
-        x, cols, tl.load(target_ptr + row), tl.load(lse_ptr + row), scale, logit_scale, softcap,
-        smoothing_per_class, target_weight, z_loss, HAS_SOFTCAP,
-    )
+    lse = tl.load(lse_ptr + row)
+    z = x * logit_scale
+    if HAS_SOFTCAP:
+        capped = tanh(z / softcap)
+        z = softcap * capped
+    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+    grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
+    grad = grad * (scale * logit_scale)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
     store_grad(grad_ptr, grad_lo_ptr, row * grad_row_stride + cols, grad, mask, SPLIT)
 
 

@@ -39,11 +39,9 @@ from .softcap import apply_softcap
 
 @triton.jit
 def online_row_stats(
-    row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr,
-    EVICTION: tl.constexpr,
+    row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr
 ):
-    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row (EVICTION: the
-    loads' L2 eviction policy, "evict_last" when the row is read again soon)."""
+    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row."""
     offsets = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
     running_sumexp = 0.0
@@ -51,7 +49,7 @@ def online_row_stats(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + offsets
         mask = cols < n_cols
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32) * logit_scale
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
         if HAS_SOFTCAP:
             z = apply_softcap(z, softcap)
         if NEED_SUM:
@@ -78,35 +76,6 @@ SEGMENT_COLS = 16384
 
 
 @triton.jit
-def store_segment_partials(
-    logits_ptr, logits_row_stride, target_ptr, partial_ptr, row, segment, n_segments, n_rows, n_cols,
-    logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, SEGMENT_COLS: tl.constexpr,
-    BLOCK_V: tl.constexpr, EVICTION: tl.constexpr,
-):
-    """partial[k, segment, row] for k = (max, sum-exp, target logit, sum) of one row segment (int64 ``row``);
-    only segment 0 writes the target logit."""
-    row_ptr = logits_ptr + row * logits_row_stride
-    first_col = segment * SEGMENT_COLS
-    seg_max, seg_sumexp, seg_sum = online_row_stats(
-        row_ptr + first_col,
-        tl.minimum(n_cols - first_col, SEGMENT_COLS),
-        logit_scale,
-        softcap,
-        HAS_SOFTCAP,
-        NEED_SUM,
-        BLOCK_V,
-        EVICTION,
-    )
-    out = partial_ptr + segment * n_rows + row
-    tl.store(out, seg_max)
-    tl.store(out + n_segments * n_rows, seg_sumexp)
-    tl.store(out + 3 * n_segments * n_rows, seg_sum)
-    if segment == 0:
-        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
-        tl.store(out + 2 * n_segments * n_rows, z_target)
-
-
-@triton.jit
 def _segment_stats_kernel(
     logits_ptr,
     logits_row_stride,
@@ -120,53 +89,30 @@ def _segment_stats_kernel(
     NEED_SUM: tl.constexpr,
     SEGMENT_COLS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    EVICTION: tl.constexpr,
 ):
-    """One program per (row, segment): ``store_segment_partials`` (with one segment, the row's statistics)."""
-    store_segment_partials(
-        logits_ptr, logits_row_stride, target_ptr, partial_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-        tl.num_programs(1), n_rows, n_cols, logit_scale, softcap, HAS_SOFTCAP, NEED_SUM, SEGMENT_COLS, BLOCK_V,
-        EVICTION,
+    """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
+    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    row_ptr = logits_ptr + row * logits_row_stride
+    first_col = segment * SEGMENT_COLS
+    seg_max, seg_sumexp, seg_sum = online_row_stats(
+        row_ptr + first_col,
+        tl.minimum(n_cols - first_col, SEGMENT_COLS),
+        logit_scale,
+        softcap,
+        HAS_SOFTCAP,
+        NEED_SUM,
+        BLOCK_V,
     )
-
-
-@triton.jit
-def merge_segments(partial_ptr, rows, row_mask, n_rows, n_segments, HAS_SUM: tl.constexpr, BLOCK_SEGMENTS: tl.constexpr):
-    """(max, sum-exp, target logit, sum) of ``rows`` from their segment partials, a (4, n_segments, n_rows)
-    buffer whose target logit is in segment 0's slot; segments merged BLOCK_SEGMENTS at a time, online.
-    Loads bypass L1 (.cg): in ``losses_and_grad`` other programs wrote the partials during this launch."""
-    block_rows: tl.constexpr = rows.shape[0]
-    stat_stride = n_segments * n_rows
-    row_max = tl.full((block_rows,), float("-inf"), dtype=tl.float32)
-    row_sumexp = tl.zeros((block_rows,), dtype=tl.float32)
-    row_sum = tl.zeros((block_rows,), dtype=tl.float32)
-    for first in range(0, n_segments, BLOCK_SEGMENTS):
-        segments = first + tl.arange(0, BLOCK_SEGMENTS)
-        offsets = segments[:, None] * n_rows + rows[None, :]
-        mask = (segments[:, None] < n_segments) & row_mask[None, :]
-        seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows past the end: no -inf - -inf
-        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
-        row_max = new_max
-        if HAS_SUM:
-            partial_sum = tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            row_sum += tl.sum(partial_sum, axis=0)
-    row_max = tl.where(row_mask, row_max, 0.0)
-    z_target = tl.load(partial_ptr + 2 * stat_stride + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-    return row_max, row_sumexp, z_target, row_sum
-
-
-@triton.jit
-def store_loss_and_lse(
-    loss_ptr, lse_ptr, rows, row_mask, row_max, row_sumexp, z_target, row_sum, smoothing_per_class, target_weight, z_loss
-):
-    """The rows' loss and lse from their statistics over the whole vocabulary (formula in ``merge_partials``)."""
-    lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
-    loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
-    tl.store(loss_ptr + rows, loss, mask=row_mask)
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    out = partial_ptr + segment * n_rows + row
+    tl.store(out, seg_max)
+    tl.store(out + n_segments * n_rows, seg_sumexp)
+    tl.store(out + 3 * n_segments * n_rows, seg_sum)
+    if segment == 0:
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+        tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
 @triton.jit
@@ -185,18 +131,34 @@ def _merge_segments_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
-    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials; with
-    WRITE_LOSS instead the row's loss and lse (see ``merge_partials``)."""
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
+    (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
+    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    row_max, row_sumexp, z_target, row_sum = merge_segments(
-        partial_ptr, rows, row_mask, n_rows, n_segments, HAS_SUM, BLOCK_SEGMENTS
-    )
+    stat_stride = n_segments * n_rows
+    row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
+    row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for first in range(0, n_segments, BLOCK_SEGMENTS):
+        segments = first + tl.arange(0, BLOCK_SEGMENTS)
+        offsets = segments[:, None] * n_rows + rows[None, :]
+        mask = (segments[:, None] < n_segments) & row_mask[None, :]
+        seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
+        seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
+        new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows past the end: no -inf - -inf
+        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
+        row_max = new_max
+        if HAS_SUM:
+            row_sum += tl.sum(tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0), axis=0)
+    row_max = tl.where(row_mask, row_max, 0.0)
+    z_target = tl.load(partial_ptr + 2 * stat_stride + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
-        store_loss_and_lse(
-            loss_ptr, lse_ptr, rows, row_mask, row_max, row_sumexp, z_target, row_sum,
-            smoothing_per_class, target_weight, z_loss,
-        )
+        lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
+        loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
+        tl.store(loss_ptr + rows, loss, mask=row_mask)
+        tl.store(lse_ptr + rows, lse, mask=row_mask)
     else:
         tl.store(stats_ptr + rows, row_max, mask=row_mask)
         tl.store(stats_ptr + n_rows + rows, row_sumexp, mask=row_mask)
@@ -223,7 +185,6 @@ def _segment_partials(
         NEED_SUM=need_sum,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
-        EVICTION="",
         num_warps=2,  # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7)
     )
 
