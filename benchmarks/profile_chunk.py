@@ -558,6 +558,7 @@ def timeline(name):
                 stack.append(e["ts"] + e["dur"])
             print("    ...")
 
+
 def profile_step(x, w, y, name, frozen=False):
     """One fused step on labels ``y`` (default options and ``accum_dtype=None``; ``frozen``: lm_head without
     gradient):
