@@ -5,7 +5,7 @@
 
     model = fused_lm_loss.patch(model)     # a Hugging Face causal LM (or peft model) trains with it
 """
-from .chunked import use_backend
+from .backends import use_backend
 from .integrations import patch, unpatch
 from .loss import FusedLMLoss, fused_linear_cross_entropy
 

@@ -1,27 +1,25 @@
-"""The chunk loop and the autograd.Function around it.
+"""The chunk loop: one implementation for every path (forward, recompute; hidden states or given logits).
 
-Per chunk of (non-ignored) token rows::
+Per chunk of kept token rows (those whose label is not ``ignore_index``)::
 
-    logits  = h_chunk @ W.T (+ b)             cuBLAS, in the matmul dtype (or fp32: logits_dtype)
-    stats   = row_stats(logits)               max, sum-exp, target logit, logit sum   (fp32)
-    G       = grad_logits(logits, lse)        fp32 math, stored in the matmul dtype, in place
-    dX[chunk] = G @ W ;  dW += G.T @ h_chunk ;  db += G.sum(0)     (on CUDA, dX on a second stream)
+    logits  = head.logits(chunk)              LinearHead: h_chunk @ W.T (+ b) (+ u @ B.T), cuBLAS;
+                                              GivenLogits: the rows of logits that already exist
+    loss, lse = backend.row_losses(logits)    online softmax in fp32 (vocab-parallel: row_stats, merged)
+    G       = backend.grad_logits(logits)     fp32 math, stored in the matmul dtype (in place of the logits)
+    head.backprop(G)                          dX[chunk] = G @ W ; dW += G.T @ h ; db += G.sum(0)
+                                              (CUDA: dX on a second stream beside dW); or dlogits[chunk] = G
 
-so the N x V logits never exist at once. Gradients are produced in forward (scaled by
-``scaling / num_items``); backward multiplies them by ``grad_output / scaling`` out of place.
+so the N x V logits never exist at once. Gradients are produced in forward (scaled by ``plan.grad_scale``,
+times ``row_scale`` per row when recomputing for a per-token grad_output); ``ops.py`` wraps this in
+PyTorch operators and applies ``grad_output`` in backward. Every decision (chunk rows, dtypes, backend,
+scale) comes from the ``Plan`` (``plan.py``).
 
-Without gradients (no_grad, eval, the forward of reduction="none") nothing but the statistics needs the
-logits: on a GPU with TMA the logits matmul reduces each output tile to them in its epilogue
-(kernels/matmul_stats.py) and no logits chunk exists at all (``_losses_without_logits``).
-
-Chunks are as few as the memory allows and of equal size: each one reads and writes the whole dW
-accumulator, so their number, not their size, sets that cost (``max_chunk_rows``).
+Without gradients and on a GPU with TMA, nothing but the statistics needs the logits: the logits matmul
+reduces each output tile to them in its epilogue (kernels/matmul_stats.py) and no logits chunk exists
+(``_losses_from_matmul``).
 
 Buffers and their precision:
-  logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``.
-                                        240 MiB; with an fp32 dW accumulator for a bf16/fp16 weight also the
-                                        memory that accumulator pays for: its own when one chunk needs no
-                                        accumulator, else the returned dW's, which is allocated after the loop
+  logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
   G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
@@ -29,114 +27,35 @@ Buffers and their precision:
   dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
                                         fp32 (then cast once) with a hi + lo G, and for vocab-parallel
                                         partials summed across ranks (in ``accum_dtype``)
-  dW            (V_shard, H)            ``accum_dtype`` (fp32 default): summed over chunks, so the
+  dW            (V_shard, H)            ``plan.accum_dtype`` (fp32 default): summed over chunks, so the
                                         narrow dtype would round once per chunk; with one chunk it is a
                                         single matmul written in the weight's dtype
   db            (V_shard,)              fp32, cast to the bias dtype at the end
+  dlogits       (N, V)                  the given logits' dtype (GivenLogits)
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import distributed, torch_path
-from .options import LossOptions
+from . import distributed
+from .backends import Backend
+from .plan import HAS_OUT_DTYPE_MM, Plan
+from .torch_backend import loss_from_stats
 
-#: Memory the logits (+ gradient) chunk may take when ``chunk_size`` is None: 240 MiB, so that with
-#: the small per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
-LOGITS_BUDGET_BYTES = 240 * 2**20
-#: Without gradients, take the statistics from the logits matmul's epilogue where the kernel supports the
-#: inputs (kernels/matmul_stats.py): no logits chunk is written or read (a switch for A/B benchmarks).
-STATS_IN_MATMUL = True
-#: On CUDA, run G @ W on a second stream beside G.T @ h (a switch for A/B benchmarks).
-OVERLAP_GRAD_MATMULS = True
 _side_streams: dict = {}
-#: torch >= 2.8 lets cuBLAS write fp32 products of bf16/fp16 operands directly (``out_dtype``).
-_HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
-
-_forced_backend: str | None = None
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Force the per-chunk kernels: "triton" (also on CPU tensors under TRITON_INTERPRET=1) or "torch"."""
-    global _forced_backend
-    if name not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'triton' or 'torch', got {name!r}")
-    previous, _forced_backend = _forced_backend, name
-    try:
-        yield
-    finally:
-        _forced_backend = previous
+def label_ids(labels: torch.Tensor) -> torch.Tensor:
+    """The one place labels are normalized: 1-d int64, any strides kept (a slice, a broadcast).
 
-
-def _kernels_for(device: torch.device):
-    backend = _forced_backend or ("triton" if device.type == "cuda" else "torch")
-    if backend == "torch":
-        return torch_path
-    from . import kernels
-
-    return kernels
-
-
-def auto_chunk_rows(bytes_per_row: int, extra_bytes: int = 0) -> int:
-    """The most rows per chunk for which the chunk buffers stay within LOGITS_BUDGET_BYTES (+ ``extra_bytes``)."""
-    return max(1, (LOGITS_BUDGET_BYTES + extra_bytes) // max(bytes_per_row, 1))
-
-
-def plan_chunk_rows(n_rows: int, max_rows: int) -> int:
-    """Rows per chunk: as few chunks as ``max_rows`` allows, all of about the same size.
-
-    Every chunk reads and writes the whole V x H weight-gradient accumulator, so a nearly empty last
-    chunk would cost as much as a full one. With several chunks the size is rounded up to a multiple of
-    64 (cuBLAS tiles) when that still fits in ``max_rows``.
+    Every integer dtype is accepted. Narrower ones are widened first, since torch compares e.g. a uint8
+    tensor with a negative ``ignore_index`` modulo 256 (label 156 would count as -100).
     """
-    if n_rows <= 0:
-        return 1
-    n_chunks = -(-n_rows // max_rows)
-    if n_chunks == 1:
-        return n_rows  # one chunk: a buffer of exactly the rows there are
-    rows = -(-n_rows // n_chunks)
-    for multiple in (64, 8):
-        rounded = -(-rows // multiple) * multiple
-        if rounded <= max_rows:
-            return rounded
-    return rows
-
-
-def max_chunk_rows(
-    n_rows: int, bytes_per_row: int, chunk_size: int | None, accumulator_bytes: int = 0, result_bytes: int = 0
-) -> int:
-    """The most rows a chunk may take: ``chunk_size``, else what the memory allows.
-
-    The chunk buffers get LOGITS_BUDGET_BYTES, plus, when dW is summed in a wider dtype than the weight's,
-    memory that the accumulator's cost already pays for (``accumulator_bytes``: the V x H accumulator;
-    ``result_bytes``: the dW returned in the weight's dtype):
-      - one chunk needs no accumulator (dW is a single matmul), so it may also take the accumulator's bytes;
-      - with several chunks the returned dW is written once, after the loop has freed the chunk buffer, so
-        the chunk may also take the returned dW's bytes.
-    Either way the loss holds at most the accumulator + LOGITS_BUDGET_BYTES beyond inputs and gradients,
-    and fewer chunks mean fewer passes over the accumulator, which is what costs at small chunks.
-    """
-    if chunk_size is not None:
-        return chunk_size
-    if n_rows * bytes_per_row <= LOGITS_BUDGET_BYTES + accumulator_bytes:
-        return max(n_rows, 1)
-    return auto_chunk_rows(bytes_per_row, result_bytes)
-
-
-def _side_stream(device: torch.device):
-    """A second CUDA stream for G @ W: with few rows it has few output tiles, and fills the GPU only beside
-    the large G.T @ h running on the main stream."""
-    if not OVERLAP_GRAD_MATMULS or device.type != "cuda":
-        return None
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    labels = labels.reshape(-1)
+    return labels if labels.dtype == torch.int64 else labels.long()
 
 
 @dataclass
@@ -144,7 +63,7 @@ class Rows:
     """The token rows that carry a loss, after dropping ignored labels."""
 
     index: torch.Tensor | None  # positions in the flattened batch; None when no label is ignored
-    target: torch.Tensor  # target column in this shard's weight, -1 when the token's class is elsewhere
+    target: torch.Tensor  # contiguous int64: column in this shard's weight, -1 when the class is elsewhere
     count: int  # number of non-ignored tokens
 
     def gather(self, rows_tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -153,17 +72,17 @@ class Rows:
         return rows_tensor.index_select(0, self.index[start:end])
 
 
-def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shard) -> Rows:
+def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shard, backend: Backend) -> Rows:
     """Drop ignored tokens and check every other label is a class id.
 
-    One host sync (the row count sizes the chunks; a bad label must raise here, not in a kernel), after one
-    kernel that finds the kept rows, their labels and the label range (kernels/kept_rows.py): on a GPU the
-    time before the first matmul is idle, waiting for the host to issue what comes before it, and in a
-    training step each sync also stops the host from running ahead (benchmarks/NOTES.md v13, v14).
+    ``labels`` comes from ``label_ids`` (1-d int64, any strides: a slice, a broadcast); the kept labels
+    come back as a new contiguous int64 tensor, which is all that any later kernel sees. One host sync (the row count
+    sizes the chunks; a bad label must raise here, not in a kernel), after one kernel that finds the kept
+    rows, their labels and the label range (kernels/kept_rows.py).
     """
     if labels.numel() == 0:
-        return Rows(index=None, target=labels, count=0)
-    positions, targets, summary = _kernels_for(labels.device).kept_rows(labels, ignore_index)
+        return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0)
+    positions, targets, summary = backend.kept_rows(labels, ignore_index)
     count, lowest, highest = summary.tolist()
     if lowest < 0 or highest >= shard.total:
         out_of_range = (labels != ignore_index) & ((labels < 0) | (labels >= shard.total))
@@ -172,30 +91,244 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
             f"{int(out_of_range.sum())} label(s) are outside [0, {shard.total}) and not ignore_index={ignore_index}: "
             f"e.g. {examples}"
         )
-    if count == labels.numel():
-        return Rows(index=None, target=shard.local_target(labels), count=count)
-    return Rows(index=positions[:count], target=shard.local_target(targets[:count]), count=count)
-
-
-@dataclass(frozen=True)
-class GradNeeds:
-    """Which gradients to produce: the autograd inputs' requires_grad, nothing else."""
-
-    hidden: bool = False
-    weight: bool = False
-    bias: bool = False
-    low_rank_input: bool = False
-    low_rank_weight: bool = False
-
-    def any(self) -> bool:
-        return self.hidden or self.weight or self.bias or self.low_rank_input or self.low_rank_weight
+    index = None if count == labels.numel() else positions[:count]
+    return Rows(index=index, target=shard.local_target(targets[:count]), count=count)
 
 
 @dataclass
 class ChunkOutputs:
     loss: torch.Tensor | None  # (rows.count,) fp32 per-token loss
     lse: torch.Tensor | None  # (rows.count,) fp32 log-sum-exp over the whole vocabulary
-    grads: tuple  # (hidden, weight, bias, low_rank_input, low_rank_weight), None where not needed
+    grads: tuple  # the head's gradients, None where not needed
+
+
+def run_chunks(
+    plan: Plan, head, rows: Rows, *, lse: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
+) -> ChunkOutputs:
+    """The chunk loop shared by every path. With ``lse`` given (recompute in backward) the statistics pass
+    is skipped; ``row_scale`` (rows.count,) multiplies each row's gradient."""
+    if plan.stats_in_matmul:
+        return _losses_from_matmul(plan, head, rows)
+    backend, device = plan.backend, head.device
+    compute_stats = lse is None
+    loss_rows = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if compute_stats else None
+    lse_rows = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if compute_stats else lse
+    head.start(plan, rows)
+    for start, end in plan.chunks():
+        logits = head.logits(start, end)
+        target = rows.target[start:end]
+        if compute_stats:
+            _chunk_losses(plan, logits, target, loss_rows[start:end], lse_rows[start:end])
+        if not plan.needs.any():
+            continue
+        grad, grad_lo = head.grad_buffers(start, end)
+        backend.grad_logits(
+            logits,
+            grad,
+            target,
+            lse_rows[start:end],
+            grad_scale=plan.grad_scale,
+            row_scale=None if row_scale is None else row_scale[start:end],
+            out_lo=grad_lo,
+            **plan.loss_terms,
+        )
+        head.backprop(start, end)
+    return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=head.finish())
+
+
+def _chunk_losses(plan: Plan, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor) -> None:
+    """Per-row loss and lse of one chunk, into ``loss`` and ``lse``."""
+    if plan.shard.group is None:  # the chunk holds the whole vocabulary
+        plan.backend.row_losses(logits, target, loss, lse, **plan.loss_terms)
+        return
+    stats = plan.backend.row_stats(
+        logits, target, logit_scale=plan.logit_scale, softcap=plan.softcap, need_sum=plan.need_sum
+    )
+    loss[:], lse[:] = loss_from_stats(  # vocab-parallel: merge the shards' statistics first
+        *plan.shard.merge_stats(*stats), label_smoothing=plan.label_smoothing, z_loss=plan.z_loss,
+        vocab_size=plan.shard.total,
+    )
+
+
+def _losses_from_matmul(plan: Plan, head: "LinearHead", rows: Rows) -> ChunkOutputs:
+    """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its epilogue
+    (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials (and gathered rows)."""
+    backend, shard = plan.backend, plan.shard
+    loss = torch.empty(plan.n_rows, dtype=torch.float32, device=head.device)
+    lse = torch.empty_like(loss)
+    merge = dict(label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=shard.total)
+    for start, end in plan.chunks():
+        partial = backend.matmul_partials(
+            rows.gather(head.hidden, start, end),
+            head.weight,
+            head.bias,
+            rows.target[start:end],
+            logits_dtype=plan.logits_dtype,
+            logit_scale=plan.logit_scale,
+            softcap=plan.softcap,
+            need_sum=plan.need_sum,
+        )
+        if shard.group is None:
+            backend.merge_partials(partial, need_sum=plan.need_sum, loss_out=loss[start:end], lse_out=lse[start:end], **merge)
+        else:  # vocab-parallel: merge the shards' statistics first
+            stats = shard.merge_stats(*backend.merge_partials(partial, need_sum=plan.need_sum))
+            loss[start:end], lse[start:end] = loss_from_stats(*stats, **merge)
+    return ChunkOutputs(loss=loss, lse=lse, grads=(None,) * 5)
+
+
+class LinearHead:
+    """logits = h @ W.T (+ b) (+ u @ B.T) of the kept rows; gradients for hidden, weight, bias, u and B.
+
+    ``hidden`` (N, H), ``weight`` (V_shard, H), ``low_rank = (u (N, r), B (V_shard, r))`` or None: a LoRA
+    adapter on lm_head. ``finish`` returns (d hidden, d weight, d bias, d u, d B), None where not needed.
+    """
+
+    def __init__(self, hidden, weight, bias, low_rank) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.u, self.b = low_rank if low_rank is not None else (None, None)
+        self.device, self.matmul_dtype = hidden.device, hidden.dtype
+
+    # what make_plan asks of a head
+    transformed = False  # the logits are raw matmul outputs: the plan applies softcap / logit scale
+    @property
+    def vocab_weight(self) -> torch.Tensor:
+        return self.weight
+
+    @property
+    def stats_operands(self):
+        """(hidden, weight) when the statistics may come from the matmul epilogue (no low-rank term)."""
+        return (self.hidden, self.weight) if self.u is None else None
+
+    def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
+        """Per-chunk copies of the kept rows: h (and u) gathered, dX (and du) rows before their scatter."""
+        if not has_index:
+            return 0
+        rank = 0 if self.u is None else self.u.shape[1]
+        size = self.matmul_dtype.itemsize * (self.hidden.shape[1] + rank)
+        return size + grad_input_dtype.itemsize * (self.hidden.shape[1] * needs.hidden + rank * needs.low_rank_input)
+
+    # the loop
+    def start(self, plan: Plan, rows: Rows) -> None:
+        self.plan, self.rows, needs = plan, rows, plan.needs
+        self.buffers = _chunk_buffers(
+            plan.chunk_rows, self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype, plan.split_grad, self.device
+        )
+        self.grad_hidden = _row_grad_buffer(self.hidden, rows, plan.grad_input_dtype) if needs.hidden else None
+        self.grad_u = _row_grad_buffer(self.u, rows, plan.grad_input_dtype) if needs.low_rank_input else None
+        self.grad_weight = _Accumulator(self.weight.shape, plan.accum_dtype, self.device) if needs.weight else None
+        self.grad_b = _Accumulator(self.b.shape, plan.accum_dtype, self.device) if needs.low_rank_weight else None
+        self.grad_bias = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=self.device) if needs.bias else None
+        self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        self.h = self.rows.gather(self.hidden, start, end)
+        logits = self.buffers[0][: end - start]
+        _logits_into(logits, self.h, self.weight, self.bias)
+        if self.u is not None:
+            self.u_rows = self.rows.gather(self.u, start, end)
+            _matmul_accumulate(logits, self.u_rows, self.b.t(), first=False)
+        return logits
+
+    def grad_buffers(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _, grad, grad_lo = self.buffers
+        self.grad = grad[: end - start]
+        self.grad_lo = None if grad_lo is None else grad_lo[: end - start]
+        return self.grad, self.grad_lo
+
+    def backprop(self, start: int, end: int) -> None:
+        grad, side = self.grad, self.side
+        # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
+        # (benchmarks/NOTES.md), and one GEMM cheaper.
+        dx_terms = (grad,) if self.grad_lo is None else (grad, self.grad_lo)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if self.grad_hidden is not None:
+                _store_rows(self.grad_hidden, self.rows, start, end, dx_terms, self.weight)
+            if self.grad_u is not None:
+                _store_rows(self.grad_u, self.rows, start, end, dx_terms, self.b)
+        if self.grad_weight is not None:
+            self.grad_weight.add(grad.t(), self.h)
+        if self.grad_b is not None:
+            self.grad_b.add(grad.t(), self.u_rows)
+        if self.grad_bias is not None:
+            self.grad_bias += grad.sum(dim=0, dtype=torch.float32)
+        if side is not None:  # the next chunk overwrites G
+            torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def finish(self) -> tuple:
+        # Free the chunk buffers first: with several chunks the dW result takes their memory (plan.py).
+        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = None
+        plan = self.plan
+        grad_hidden, grad_u = (
+            None if partial is None else plan.shard.sum_partial_grad(partial).to(plan.matmul_dtype)  # one rounding
+            for partial in (self.grad_hidden, self.grad_u)
+        )
+        return (
+            grad_hidden,
+            None if self.grad_weight is None else self.grad_weight.result(self.weight.dtype),
+            None if self.grad_bias is None else self.grad_bias.to(self.bias.dtype),
+            grad_u,
+            None if self.grad_b is None else self.grad_b.result(self.b.dtype),
+        )
+
+
+class GivenLogits:
+    """The logits already exist (transformers' loss signature): read their rows, write d(loss)/d(logits).
+
+    ``logits`` (N, V) already carry the model's softcap / scale. ``finish`` returns (d logits,) or (None,).
+    """
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.given, self.device, self.matmul_dtype = logits, logits.device, logits.dtype
+        self.vocab_weight = self.stats_operands = None
+
+    transformed = True  # the logits already carry the model's softcap / scale; their dtype is the logits dtype
+
+    def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
+        return 0  # the chunk buffer (gathered rows, then G in place) is the logits buffer of the plan
+
+    def start(self, plan: Plan, rows: Rows) -> None:
+        self.plan, self.rows = plan, rows
+        contiguous_rows = self.given.stride(1) == 1
+        self.buffer = None
+        if rows.index is not None or not contiguous_rows:
+            self.buffer = torch.empty((plan.chunk_rows, self.given.shape[1]), dtype=self.matmul_dtype, device=self.device)
+        self.grad_logits = None
+        if plan.needs.any():
+            alloc = torch.empty if rows.index is None else torch.zeros  # ignored rows: zero gradient
+            self.grad_logits = alloc(self.given.shape, dtype=self.matmul_dtype, device=self.device)
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        if self.buffer is None:
+            return self.given[start:end]
+        out = self.buffer[: end - start]
+        if self.rows.index is None:
+            out.copy_(self.given[start:end])
+        else:
+            torch.index_select(self.given, 0, self.rows.index[start:end], out=out)
+        return out
+
+    def grad_buffers(self, start: int, end: int) -> tuple[torch.Tensor, None]:
+        if self.rows.index is None:
+            return self.grad_logits[start:end], None  # G straight into the result
+        return self.buffer[: end - start], None  # in place over the gathered rows, scattered in backprop
+
+    def backprop(self, start: int, end: int) -> None:
+        if self.rows.index is not None:
+            self.grad_logits.index_copy_(0, self.rows.index[start:end], self.buffer[: end - start])
+
+    def finish(self) -> tuple:
+        self.buffer = None
+        return (self.grad_logits,)
+
+
+def _side_stream(device: torch.device):
+    """A second CUDA stream for G @ W: with few rows it has few output tiles, and fills the GPU only beside
+    the large G.T @ h running on the main stream."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def _logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -218,7 +351,7 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
     V x H temporary exists; elsewhere the operands are upcast (exact products of bf16/fp16 values).
     """
     if acc.dtype != a.dtype:
-        if a.is_cuda and _HAS_OUT_DTYPE_MM:
+        if a.is_cuda and HAS_OUT_DTYPE_MM:
             if first:
                 torch.ops.aten.mm.dtype_out(a, b, acc.dtype, out=acc)
             else:
@@ -229,204 +362,6 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
         torch.mm(a, b, out=acc)
     else:
         acc.addmm_(a, b)
-
-
-def mean_denominator(n_rows: int, num_items: object) -> float:
-    """What reduction="mean" divides the summed loss by: ``num_items_in_batch``, else the rows with a loss
-    (1 when there are none, so that all-ignored batches give 0)."""
-    denominator = float(n_rows if num_items is None else num_items)
-    if denominator < 0 or (denominator == 0 and n_rows > 0):
-        raise ValueError(f"num_items_in_batch must be > 0 when tokens carry a loss, got {num_items}")
-    return max(denominator, 1.0)
-
-
-def run_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    low_rank: tuple[torch.Tensor, torch.Tensor] | None,
-    rows: Rows,
-    opts: LossOptions,
-    shard: distributed.Shard,
-    *,
-    needs: GradNeeds = GradNeeds(),
-    lse: torch.Tensor | None = None,
-    grad_scale: float = 1.0,
-    row_scale: torch.Tensor | None = None,
-) -> ChunkOutputs:
-    """The chunk loop shared by every path (Triton or PyTorch kernels, forward or recompute).
-
-    ``hidden`` is (N, H); the loop visits only ``rows``. ``low_rank = (u, B)`` adds u @ B.T to the
-    logits (a LoRA adapter on lm_head). With ``lse`` given (recompute in backward) the stats pass is
-    skipped. Gradient rows are scaled by ``grad_scale`` (times ``row_scale[i]``).
-    """
-    ops = _kernels_for(hidden.device)
-    device, mm_dtype = hidden.device, hidden.dtype
-    n_rows, vocab = rows.count, weight.shape[0]
-    compute_stats = lse is None
-
-    logits_dtype = opts.logits_dtype or mm_dtype
-    if compute_stats and not needs.any() and low_rank is None and _stats_in_matmul(ops, hidden, weight):
-        return _losses_without_logits(hidden, weight, bias, rows, opts, shard, ops, logits_dtype)
-    split_grad = needs.any() and logits_dtype != mm_dtype  # fp32 logits: G kept as hi + lo (see module doc)
-    # dX is kept wider than the matmul dtype when it is a sum (hi + lo terms; vocab shards' partials) that
-    # should be rounded once, where the matmul writes that dtype directly; upcasting W every chunk instead
-    # (CUDA, torch < 2.8) would cost more.
-    grad_input_dtype = mm_dtype
-    if device.type != "cuda" or _HAS_OUT_DTYPE_MM:
-        grad_input_dtype = torch.float32 if split_grad else shard.grad_input_dtype(mm_dtype, opts)
-
-    bytes_per_row = shard.chunk_vocab * (logits_dtype.itemsize + (2 * mm_dtype.itemsize if split_grad else 0))
-    if rows.index is not None:  # per-chunk copies of the kept rows: h (and u) gathered, dX (and du) scattered
-        rank = 0 if low_rank is None else low_rank[0].shape[1]
-        bytes_per_row += (hidden.shape[1] + rank) * mm_dtype.itemsize
-        bytes_per_row += (hidden.shape[1] * needs.hidden + rank * needs.low_rank_input) * grad_input_dtype.itemsize
-    accum_dtype = torch.promote_types(opts.accum_dtype or weight.dtype, weight.dtype)
-    wide_dw = needs.weight and accum_dtype != weight.dtype
-    chunk_rows = plan_chunk_rows(
-        n_rows,
-        max_chunk_rows(
-            n_rows,
-            bytes_per_row,
-            opts.chunk_size,
-            accumulator_bytes=weight.numel() * accum_dtype.itemsize if wide_dw else 0,
-            result_bytes=weight.numel() * weight.dtype.itemsize if wide_dw else 0,
-        ),
-    )
-    if chunk_rows >= n_rows:  # one chunk: each weight gradient is one matmul (fp32 inside), rounded once
-        accum_dtype = weight.dtype
-    logits_buf, grad_buf, grad_lo_buf = _chunk_buffers(chunk_rows, vocab, logits_dtype, mm_dtype, split_grad, device)
-
-    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else None
-    lse_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_stats else lse
-    grad_hidden = _row_grad_buffer(hidden, rows, grad_input_dtype) if needs.hidden else None
-    grad_low_rank_input = _row_grad_buffer(low_rank[0], rows, grad_input_dtype) if needs.low_rank_input else None
-    grad_weight = _Accumulator(weight.shape, accum_dtype, device) if needs.weight else None
-    grad_low_rank_weight = _Accumulator(low_rank[1].shape, accum_dtype, device) if needs.low_rank_weight else None
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if needs.bias else None
-
-    smoothing = opts.label_smoothing
-    loss_options = dict(
-        logit_scale=opts.logit_scale,
-        softcap=opts.softcap,
-        label_smoothing=smoothing,
-        vocab_size=shard.total,
-        z_loss=opts.z_loss,
-    )
-    for start in range(0, n_rows, chunk_rows):
-        end = min(start + chunk_rows, n_rows)
-        h = rows.gather(hidden, start, end)
-        target = rows.target[start:end]
-        logits = logits_buf[: end - start]
-        _logits_into(logits, h, weight, bias)
-        if low_rank is not None:
-            u = rows.gather(low_rank[0], start, end)
-            _matmul_accumulate(logits, u, low_rank[1].t(), first=False)
-
-        grad = grad_buf[: end - start]
-        grad_lo = None if grad_lo_buf is None else grad_lo_buf[: end - start]
-        # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
-        # (benchmarks/NOTES.md), and one GEMM cheaper.
-        dx_terms = (grad,) if grad_lo is None else (grad, grad_lo)
-        if compute_stats and shard.group is None:  # the chunk holds the whole vocabulary
-            ops.row_losses(logits, target, loss_rows[start:end], lse_rows[start:end], **loss_options)
-        elif compute_stats:  # vocab-parallel: merge the shards' statistics first
-            stats = ops.row_stats(
-                logits, target, logit_scale=opts.logit_scale, softcap=opts.softcap, need_sum=smoothing > 0
-            )
-            loss_rows[start:end], lse_rows[start:end] = torch_path.loss_from_stats(
-                *shard.merge_stats(*stats), label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total
-            )
-        if not needs.any():
-            continue
-        ops.grad_logits(
-            logits,
-            grad,
-            target,
-            lse_rows[start:end],
-            grad_scale=grad_scale,
-            row_scale=None if row_scale is None else row_scale[start:end],
-            out_lo=grad_lo,
-            **loss_options,
-        )
-        # dX beside dW; with no weight gradient (frozen lm_head) there is nothing to run beside
-        has_dx = grad_hidden is not None or grad_low_rank_input is not None
-        has_dw = grad_weight is not None or grad_low_rank_weight is not None
-        side = _side_stream(device) if has_dx and has_dw else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if grad_hidden is not None:
-                _store_rows(grad_hidden, rows, start, end, dx_terms, weight)
-            if grad_low_rank_input is not None:
-                _store_rows(grad_low_rank_input, rows, start, end, dx_terms, low_rank[1])
-        if grad_weight is not None:
-            grad_weight.add(grad.t(), h)
-        if grad_low_rank_weight is not None:
-            grad_low_rank_weight.add(grad.t(), u)
-        if grad_bias is not None:
-            grad_bias += grad.sum(dim=0, dtype=torch.float32)
-        if side is not None:  # the next chunk overwrites G
-            torch.cuda.current_stream(device).wait_stream(side)
-
-    # Free the chunk buffers first: with several chunks the dW result takes their memory (max_chunk_rows).
-    logits_buf = grad_buf = grad_lo_buf = logits = grad = grad_lo = dx_terms = None
-    grad_hidden, grad_low_rank_input = (
-        None if partial is None else shard.sum_partial_grad(partial, opts).to(mm_dtype)  # one rounding
-        for partial in (grad_hidden, grad_low_rank_input)
-    )
-    grads = (
-        grad_hidden,
-        None if grad_weight is None else grad_weight.result(weight.dtype),
-        None if grad_bias is None else grad_bias.to(bias.dtype),
-        grad_low_rank_input,
-        None if grad_low_rank_weight is None else grad_low_rank_weight.result(low_rank[1].dtype),
-    )
-    return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=grads)
-
-
-def _stats_in_matmul(ops, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return STATS_IN_MATMUL and ops is not torch_path and ops.matmul_stats.supported(hidden, weight)
-
-
-def _losses_without_logits(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    rows: Rows,
-    opts: LossOptions,
-    shard: distributed.Shard,
-    ops,
-    logits_dtype: torch.dtype,
-) -> ChunkOutputs:
-    """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its epilogue
-    (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials (and gathered rows)."""
-    n_rows, smoothing = rows.count, opts.label_smoothing
-    bytes_per_row = ops.matmul_stats.partial_bytes_per_row(weight.shape[0])
-    if rows.index is not None:
-        bytes_per_row += hidden.shape[1] * hidden.element_size()
-    chunk_rows = plan_chunk_rows(n_rows, opts.chunk_size or auto_chunk_rows(bytes_per_row))
-    loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(loss)
-    for start in range(0, n_rows, chunk_rows):
-        end = min(start + chunk_rows, n_rows)
-        partial = ops.matmul_stats.matmul_partials(
-            rows.gather(hidden, start, end),
-            weight,
-            bias,
-            rows.target[start:end],
-            logits_dtype=logits_dtype,
-            logit_scale=opts.logit_scale,
-            softcap=opts.softcap,
-            need_sum=smoothing > 0,
-        )
-        merge = dict(label_smoothing=smoothing, z_loss=opts.z_loss, vocab_size=shard.total)
-        if shard.group is None:
-            ops.merge_partials(partial, need_sum=smoothing > 0, loss_out=loss[start:end], lse_out=lse[start:end], **merge)
-        else:  # vocab-parallel: merge the shards' statistics first
-            stats = shard.merge_stats(*ops.merge_partials(partial, need_sum=smoothing > 0))
-            loss[start:end], lse[start:end] = torch_path.loss_from_stats(*stats, **merge)
-    return ChunkOutputs(loss=loss, lse=lse, grads=(None,) * 5)
 
 
 def _chunk_buffers(
@@ -484,100 +419,3 @@ class _Accumulator:
         if self.total is None:  # no token carried a loss
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
         return self.total.to(dtype)
-
-
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """loss = CE(softcap(logit_scale * (hidden @ W.T + b + u @ B.T)), labels) (+ z-loss), chunked.
-
-    Inputs are already validated (see ``loss.fused_lm_loss``): hidden (..., H), weight (V, H) of the
-    same dtype, labels shaped like hidden.shape[:-1]; the low-rank pair (u (..., r), B (V, r)) is optional.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, low_rank_input, low_rank_weight, labels, opts, scaling, num_items, grad_enabled
-    ):
-        hidden2d = hidden.reshape(-1, hidden.shape[-1])
-        low_rank = None
-        if low_rank_input is not None:
-            low_rank = (low_rank_input.reshape(-1, low_rank_input.shape[-1]), low_rank_weight)
-        shard = distributed.Shard.of(weight, labels, opts)
-        rows = select_rows(labels.reshape(-1), opts.ignore_index, shard)
-        # Inside forward grad mode is always off; whether the caller's was on is passed in.
-        needs = GradNeeds(*ctx.needs_input_grad[:5]) if grad_enabled else GradNeeds()
-        ctx.shapes = (hidden.shape, None if low_rank_input is None else low_rank_input.shape)
-        ctx.opts, ctx.shard, ctx.rows, ctx.needs = opts, shard, rows, needs
-
-        if opts.reduction == "none":
-            # Per-token grad_output is unknown until backward: keep lse, recompute the rest then.
-            out = run_chunks(hidden2d, weight, bias, low_rank, rows, opts, shard)
-            if needs.any():
-                ctx.lse = out.lse
-                ctx.save_for_backward(hidden2d, weight, bias, *(low_rank or (None, None)))
-            per_token = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
-            if rows.index is None:
-                per_token.copy_(out.loss)
-            else:
-                per_token.index_copy_(0, rows.index, out.loss)
-            return per_token.view(labels.shape)
-
-        denominator = mean_denominator(rows.count, num_items) if opts.reduction == "mean" else 1.0
-        out = run_chunks(
-            hidden2d, weight, bias, low_rank, rows, opts, shard, needs=needs, grad_scale=scaling / denominator
-        )
-        ctx.scaling = scaling
-        # Saved through autograd (not as plain attributes), already in the inputs' shapes, so the engine sees
-        # our reference to the very tensors it receives: it then never steals them for param.grad and
-        # accumulates into them in place (retain_graph stays right).
-        ctx.save_for_backward(*_input_shaped(out.grads, ctx.shapes))
-        return out.loss.sum() / denominator
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        if ctx.opts.reduction == "none":
-            grads = _recompute_grads(ctx, grad_output)
-        else:
-            grads = _rescale_grads(ctx, grad_output)
-        return (*grads, None, None, None, None, None)
-
-
-def _input_shaped(grads: tuple, shapes: tuple) -> tuple:
-    """Per-token gradients come out of the chunk loop as (N, .): view them in their input's shape."""
-    grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight = grads
-    hidden_shape, low_rank_shape = shapes
-    if grad_hidden is not None:
-        grad_hidden = grad_hidden.view(hidden_shape)
-    if grad_low_rank_input is not None:
-        grad_low_rank_input = grad_low_rank_input.view(low_rank_shape)
-    return grad_hidden, grad_weight, grad_bias, grad_low_rank_input, grad_low_rank_weight
-
-
-def _rescale_grads(ctx, grad_output: torch.Tensor) -> tuple:
-    """Apply grad_output / scaling to the gradients made in forward, never in place (retain_graph)."""
-    go = float(grad_output)
-    grads = ctx.saved_tensors
-    if ctx.scaling == 0.0:
-        if go != 0.0:
-            raise RuntimeError(
-                "the fused loss was computed with scaling=0 (a GradScaler scale of 0?): its gradients are all "
-                f"zero and cannot be rescaled to grad_output={go}. Use a non-zero scale."
-            )
-        return tuple(None if g is None else torch.zeros_like(g) for g in grads)
-    factor = go / ctx.scaling
-    if factor == 1.0:
-        return grads
-    return tuple(None if g is None else g * factor for g in grads)
-
-
-def _recompute_grads(ctx, grad_output: torch.Tensor) -> tuple:
-    """reduction="none": rerun the chunk loop with the per-token grad_output as each row's scale."""
-    hidden2d, weight, bias, low_rank_input, low_rank_weight = ctx.saved_tensors
-    low_rank = None if low_rank_input is None else (low_rank_input, low_rank_weight)
-    rows = ctx.rows
-    per_token = grad_output.reshape(-1)
-    row_scale = (per_token if rows.index is None else per_token[rows.index]).float().contiguous()
-    out = run_chunks(
-        hidden2d, weight, bias, low_rank, rows, ctx.opts, ctx.shard, needs=ctx.needs, lse=ctx.lse, row_scale=row_scale
-    )
-    return _input_shaped(out.grads, ctx.shapes)

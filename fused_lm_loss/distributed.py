@@ -63,13 +63,19 @@ class Shard:
     group: Any = None
     world_size: int = 1
     merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
+    reduce_grad_input: bool = True  # sum the partial dX over the group (else each rank keeps its partial)
+
+    @classmethod
+    def whole(cls, vocab: int) -> "Shard":
+        """The whole vocabulary on this process (no vocab parallelism)."""
+        return cls(start=0, size=vocab, total=vocab)
 
     @classmethod
     def of(cls, weight: torch.Tensor, labels: torch.Tensor, opts: LossOptions) -> "Shard":
         """This rank's shard; with a process group, also check the layout across ranks (a collective)."""
         size = weight.shape[0]
         if opts.process_group is None:
-            return cls(start=0, size=size, total=size)
+            return cls.whole(size)
         import torch.distributed as dist
 
         group = opts.process_group
@@ -80,7 +86,10 @@ class Shard:
             start, total = rank * size, size * world
         else:
             start, total = opts.vocab_start, opts.vocab_size
-        shard = cls(start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0)
+        shard = cls(
+            start, size, total, group, world,
+            merge_logit_sum=opts.label_smoothing > 0, reduce_grad_input=opts.reduce_grad_input,
+        )
         shard._check_layout(weight, labels, opts.ignore_index)
         return shard
 
@@ -149,16 +158,29 @@ class Shard:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         return global_max, sums[0], sums[1], sums[2] if self.merge_logit_sum else logit_sum
 
-    def grad_input_dtype(self, input_dtype: torch.dtype, opts: LossOptions) -> torch.dtype:
-        """dtype of the partial dX buffer: ``accum_dtype`` when it will be summed across ranks (see module doc)."""
-        if self.group is None or not opts.reduce_grad_input:
-            return input_dtype
-        return torch.promote_types(opts.accum_dtype or input_dtype, input_dtype)
-
-    def sum_partial_grad(self, partial: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    def sum_partial_grad(self, partial: torch.Tensor) -> torch.Tensor:
         """All-reduce (SUM) a per-token input gradient over the group, unless ``reduce_grad_input=False``."""
-        if self.group is not None and opts.reduce_grad_input:
+        if self.group is not None and self.reduce_grad_input:
             import torch.distributed as dist
 
             dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
         return partial
+
+
+# The fused loss runs as a PyTorch operator (ops.py), whose arguments are tensors and plain values: a process
+# group crosses it as a name. Groups are kept for the life of the process, as torch.distributed keeps them.
+_groups: dict[str, Any] = {}
+
+
+def group_name(group: Any) -> str | None:
+    """The name under which ``group`` crosses the operator boundary (None without a group)."""
+    if group is None:
+        return None
+    name = f"{type(group).__name__}@{id(group):x}"
+    _groups[name] = group
+    return name
+
+
+def group_of(name: str | None) -> Any:
+    """The process group registered under ``name`` by ``group_name``."""
+    return None if name is None else _groups[name]

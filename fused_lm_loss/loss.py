@@ -1,18 +1,23 @@
-"""Public API: ``FusedLMLoss`` (the nn.Module) and ``fused_linear_cross_entropy`` (the function)."""
+"""Public API: ``FusedLMLoss`` (the nn.Module) and ``fused_linear_cross_entropy`` (the function).
+
+Both validate their tensors here (a clear ``ValueError`` before any kernel runs), apply autocast as
+``nn.Linear`` would, resolve the gradient scale, and call the ``fused_lm_loss::linear_cross_entropy``
+operator (ops.py). ``logits_loss`` is the same on logits that already exist.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .chunked import FusedLinearCrossEntropyFunction
+from . import ops
 from .options import MATMUL_DTYPES, LossOptions
 
 
-def fused_lm_loss(
+def lm_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -20,19 +25,44 @@ def fused_lm_loss(
     opts: LossOptions,
     *,
     num_items_in_batch: Any = None,
-    scaling: float | None = None,
+    scaling: float | torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Validate the tensors, apply autocast, resolve the gradient scale, run the autograd Function."""
+    """The loss of ``FusedLMLoss(**opts)(hidden, weight, labels, bias, ...)``: validate, autocast, run the op."""
     _check_tensors(hidden, weight, labels, bias)
     if low_rank is not None:
         _check_low_rank(low_rank, hidden, weight)
-    if opts.reduction != "mean" and num_items_in_batch is not None:
-        raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {opts.reduction!r}")
+    num_items = _num_items(num_items_in_batch, opts.reduction)
     tensors = _matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
-    return FusedLinearCrossEntropyFunction.apply(
-        *tensors, labels, opts, _resolve_scaling(opts, scaling), num_items_in_batch, torch.is_grad_enabled()
-    )
+    grad_mode = torch.is_grad_enabled()
+    needs = [grad_mode and t is not None and t.requires_grad for t in tensors]
+    scale, scaling = _resolve_scaling(opts, scaling)
+    return ops.linear_cross_entropy(*tensors, labels, num_items, scale, scaling, needs, *ops.option_args(opts))[0]
+
+
+def logits_loss(
+    logits: torch.Tensor, labels: torch.Tensor, opts: LossOptions, *, num_items_in_batch: Any = None
+) -> torch.Tensor:
+    """Cross-entropy of logits that already exist (already through the model's softcap / scale), with the
+    options' ``ignore_index``, label smoothing, z-loss and reduction, in chunks: no fp32 copy of the logits.
+
+    ``logits`` (..., V), ``labels`` shaped like ``logits.shape[:-1]`` (already shifted).
+    """
+    if opts.process_group is not None:
+        raise ValueError("a vocab-parallel FusedLMLoss (process_group) needs hidden states, not logits")
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("logits and labels must be tensors")
+    _reject_dtensor("logits", logits)
+    if logits.dtype not in MATMUL_DTYPES or logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be float32, bfloat16 or float16 of shape (..., V >= 1); got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    _check_labels(labels, logits.shape[:-1], logits.device)
+    num_items = _num_items(num_items_in_batch, opts.reduction)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    return ops.logits_cross_entropy(
+        logits, labels, num_items, need_grad, opts.ignore_index, opts.reduction, float(opts.label_smoothing),
+        float(opts.z_loss), opts.chunk_size,
+    )[0]
 
 
 def fused_linear_cross_entropy(
@@ -42,7 +72,7 @@ def fused_linear_cross_entropy(
     bias: torch.Tensor | None = None,
     *,
     num_items_in_batch: Any = None,
-    scaling: float | None = None,
+    scaling: float | torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: Any,
 ) -> torch.Tensor:
@@ -52,7 +82,7 @@ def fused_linear_cross_entropy(
 
         loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels, label_smoothing=0.1)
     """
-    return fused_lm_loss(
+    return lm_loss(
         hidden,
         weight,
         labels,
@@ -62,6 +92,21 @@ def fused_linear_cross_entropy(
         scaling=scaling,
         low_rank=low_rank,
     )
+
+
+#: Run once, when the first FusedLMLoss is made (integrations/ installs the hook that makes
+#: ``model.loss_function = FusedLMLoss(...)`` take effect): importing the package changes nothing global.
+_first_instance_hooks: list[Callable[[], None]] = []
+
+
+def on_first_instance(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` when the first FusedLMLoss is constructed (now, if one already was)."""
+    _first_instance_hooks.append(hook)
+    if _made_one:
+        hook()
+
+
+_made_one = False
 
 
 class FusedLMLoss(nn.Module):
@@ -102,8 +147,8 @@ class FusedLMLoss(nn.Module):
     ``scaling`` overrides the grad_scaler's scale for this call. ``low_rank=(u, B)`` with u (..., r) and
     B (V, r) adds u @ B.T to the logits: a LoRA adapter on lm_head (u = s * dropout(h) @ A.T, B = lora_B).
     Gradients are computed during forward; backward only rescales them.
-    transformers' loss signature ``loss_fn(logits, labels, vocab_size, **kwargs)`` works too, on logits that
-    already carry the model's softcap / scale (see ``integrations.transformers.loss_from_logits``).
+    For logits that already exist (transformers' ``loss_function(logits, labels, vocab_size)``), patch the
+    model instead (``fused_lm_loss.patch``), or call ``integrations.causal_lm_loss``.
 
     Example::
 
@@ -147,32 +192,30 @@ class FusedLMLoss(nn.Module):
             vocab_size=vocab_size,
             reduce_grad_input=reduce_grad_input,
         )
+        global _made_one
+        if not _made_one:
+            _made_one = True
+            for hook in _first_instance_hooks:
+                hook()
 
     def forward(
         self,
-        hidden: torch.Tensor | None = None,  # defaults only so transformers' keyword call binds
-        weight: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
         num_items_in_batch: Any = None,
-        scaling: float | None = None,
+        scaling: float | torch.Tensor | None = None,
         low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **hf_kwargs: Any,
     ) -> torch.Tensor:
-        if "logits" in hf_kwargs or "vocab_size" in hf_kwargs or isinstance(labels, int):
-            # transformers' loss_function call: (logits, labels, vocab_size, **kwargs), logits materialized
-            from .integrations.transformers import loss_from_logits
-
-            logits = hf_kwargs.pop("logits", hidden)
-            hf_labels = labels if isinstance(labels, torch.Tensor) else weight
-            vocab = hf_kwargs.pop("vocab_size", labels)
-            return loss_from_logits(
-                self.options, logits, hf_labels, vocab, num_items_in_batch=num_items_in_batch, **hf_kwargs
+        if not isinstance(labels, torch.Tensor) and isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+            raise TypeError(
+                "FusedLMLoss is called as loss_fn(hidden, weight, labels); this looks like transformers' "
+                "(logits, labels, vocab_size) signature: patch the model (fused_lm_loss.patch), which computes the "
+                "loss from the hidden states, or use fused_lm_loss.integrations.causal_lm_loss for given logits"
             )
-        if hf_kwargs:
-            raise TypeError(f"unexpected keyword arguments {sorted(hf_kwargs)}")
-        return fused_lm_loss(
+        return lm_loss(
             hidden,
             weight,
             labels,
@@ -209,18 +252,25 @@ def _check_tensors(hidden, weight, labels, bias) -> None:
         raise ValueError(f"hidden size mismatch: hidden (..., {hidden.shape[-1]}) vs weight {tuple(weight.shape)}")
     if weight.shape[0] < 1:
         raise ValueError("weight has no vocabulary rows")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
+    _check_labels(labels, hidden.shape[:-1], hidden.device)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
         if bias.dtype != weight.dtype:
             raise ValueError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
-    devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
+    devices = {t.device for t in (hidden, weight, bias) if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"hidden, weight, labels and bias must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"hidden, weight and bias must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_labels(labels: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    """Labels: integer class ids (any integer dtype, any strides), one per token, on the tensors' device."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
+    if labels.shape != shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal the tokens' shape {tuple(shape)}")
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but the other tensors on {device}; move them first")
 
 
 def _reject_dtensor(name: str, t: Any) -> None:
@@ -244,6 +294,8 @@ def _check_low_rank(low_rank, hidden, weight) -> None:
     if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
         raise ValueError("low_rank must be a pair (u, B): u (..., r) per token, B (V, r)")
     u, b = low_rank
+    if not isinstance(u, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"low_rank must be a pair of tensors (u, B), got ({type(u).__name__}, {type(b).__name__})")
     _reject_dtensor("low_rank u", u)
     _reject_dtensor("low_rank B", b)
     if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
@@ -271,10 +323,34 @@ def _matmul_inputs(hidden, weight, bias, low_rank_input, low_rank_weight):
     return tensors
 
 
-def _resolve_scaling(opts: LossOptions, scaling: float | None) -> float:
-    if scaling is None:
-        scaling = 1.0 if opts.grad_scaler is None else opts.grad_scaler.get_scale()
-    scaling = float(scaling)
-    if not math.isfinite(scaling) or scaling < 0:
-        raise ValueError(f"scaling must be a finite number >= 0, got {scaling}")
-    return scaling
+def _resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+    """(scale tensor or None, scaling): ``scaling`` if given, else the GradScaler's current scale (its tensor,
+    read inside the operator, so that no host sync happens here), else 1."""
+    if isinstance(scaling, torch.Tensor):
+        return scaling, 1.0
+    if scaling is not None:
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
+            raise ValueError(f"scaling must be a finite number >= 0, got {scaling!r}")
+        return None, float(scaling)
+    scaler = opts.grad_scaler
+    if scaler is None:
+        return None, 1.0
+    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None  # torch.amp.GradScaler
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0
+    return None, float(scaler.get_scale())
+
+
+def _num_items(num_items_in_batch: Any, reduction: str) -> torch.Tensor | None:
+    """``num_items_in_batch`` (a number or a tensor, as transformers passes it) as a tensor, or None."""
+    if num_items_in_batch is None:
+        return None
+    if reduction != "mean":
+        raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {reduction!r}")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(num_items_in_batch.shape)}")
+        return num_items_in_batch
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
+        raise ValueError(f"num_items_in_batch must be a number or a tensor, got {num_items_in_batch!r}")
+    return torch.tensor(float(num_items_in_batch), dtype=torch.float64)

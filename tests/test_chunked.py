@@ -1,4 +1,4 @@
-"""The autograd Function's contract: GradScaler semantics, retain_graph, no-grad forward, skipped work."""
+"""The operator's autograd contract (GradScaler semantics, retain_graph, no-grad forward) and the chunk plan."""
 import random
 
 import pytest
@@ -6,6 +6,8 @@ import torch
 
 import fused_lm_loss
 import fused_lm_loss.chunked as chunked
+import fused_lm_loss.plan as plan
+from fused_lm_loss import torch_backend
 from fused_lm_loss import FusedLMLoss
 
 from .conftest import TEST_DEVICE, requires_triton
@@ -26,7 +28,7 @@ def test_factor_one_returns_saved_gradients_as_they_are(backend):
     seen = {}
     hidden.register_hook(lambda g: seen.setdefault("hidden", g))
     loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias, scaling=1024.0)
-    saved_hidden, saved_weight, saved_bias = loss.grad_fn.saved_tensors[:3]
+    saved_hidden, saved_weight, saved_bias = loss.grad_fn.grads[:3]
     (loss * 1024.0).backward()
     assert seen["hidden"].data_ptr() == saved_hidden.data_ptr()
     expected, grads = reference_loss(hidden, weight, labels, bias)
@@ -36,14 +38,17 @@ def test_factor_one_returns_saved_gradients_as_they_are(backend):
 
 
 def test_grad_scaler_scale_is_used(backend):
+    """A fresh scaler has no scale tensor yet (its init_scale is used); after scale() its tensor is read."""
     scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=2.0**12)
     hidden, weight, labels, bias = _inputs()
-    loss = FusedLMLoss(grad_scaler=scaler, chunk_size=16)(hidden, weight, labels, bias)
-    assert loss.grad_fn.scaling == 2.0**12
-    scaler.scale(loss).backward()
     _, grads = reference_loss(hidden, weight, labels, bias)
-    assert rel_err(weight.grad, 2.0**12 * grads["weight"]) <= 2e-4
-    assert rel_err(hidden.grad, 2.0**12 * grads["hidden"]) <= 2e-4
+    for step in range(2):
+        hidden.grad = weight.grad = bias.grad = None
+        loss = FusedLMLoss(grad_scaler=scaler, chunk_size=16)(hidden, weight, labels, bias)
+        assert (scaler._scale is None) == (step == 0)
+        scaler.scale(loss).backward()
+        assert rel_err(weight.grad, 2.0**12 * grads["weight"]) <= 2e-4
+        assert rel_err(hidden.grad, 2.0**12 * grads["hidden"]) <= 2e-4
 
 
 @pytest.mark.parametrize("k", [1.0, 4.0])
@@ -51,7 +56,7 @@ def test_retain_graph_twice_accumulates_twice_and_never_bumps_saved(backend, k):
     """grad_output = S / k: factor 1 / k, applied out of place, so two backwards give twice the gradient."""
     hidden, weight, labels, bias = _inputs()
     loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias, scaling=8.0)
-    saved = loss.grad_fn.saved_tensors[:3]
+    saved = loss.grad_fn.grads[:3]
     copies = [g.clone() for g in saved]
     (loss * (8.0 / k)).backward(retain_graph=True)
     (loss * (8.0 / k)).backward(retain_graph=True)
@@ -96,7 +101,7 @@ def _forbid(monkeypatch, module, name):
 
 def test_no_grad_forward_does_no_gradient_work(monkeypatch):
     hidden, weight, labels, bias = _inputs()
-    _forbid(monkeypatch, chunked.torch_path, "grad_logits")
+    _forbid(monkeypatch, torch_backend, "grad_logits")
     with torch.no_grad():
         loss = FusedLMLoss()(hidden, weight, labels, bias)
     frozen = FusedLMLoss()(hidden.detach(), weight.detach(), labels, bias.detach())
@@ -128,6 +133,7 @@ def _half_inputs_for_the_epilogue_kernel(n, h, v, with_bias):
 def test_no_grad_forward_takes_the_statistics_from_the_matmul(monkeypatch, case):
     """Without gradients no logits chunk is made: the Triton path takes the row statistics from the logits
     matmul's epilogue, chunk by chunk, and gives the stored-logits path's loss."""
+    from fused_lm_loss import kernels
     from fused_lm_loss.kernels import matmul_stats
 
     options, with_bias = case
@@ -139,17 +145,17 @@ def test_no_grad_forward_takes_the_statistics_from_the_matmul(monkeypatch, case)
         launches.append(h.shape[0])
         return original(h, *args, **kwargs)
 
-    monkeypatch.setattr(matmul_stats, "matmul_partials", spy)
+    monkeypatch.setattr(kernels, "matmul_partials", spy)  # what the triton backend calls
     with fused_lm_loss.use_backend("triton"), torch.no_grad():
         stored = FusedLMLoss(chunk_size=64, **options)
         with monkeypatch.context() as m:
-            m.setattr(chunked, "STATS_IN_MATMUL", False)
+            m.setattr(kernels, "supports_stats_in_matmul", lambda hidden, weight: False)
             expected_same = stored(hidden, weight, labels, bias)
         assert launches == []
         _forbid(monkeypatch, chunked, "_logits_into")
         loss = FusedLMLoss(chunk_size=64, **options)(hidden, weight, labels, bias)
     n_rows = int((labels != -100).sum())
-    step = chunked.plan_chunk_rows(n_rows, 64)
+    step = plan.split_rows(n_rows, 64)
     assert n_rows > 64 and launches == [min(step, n_rows - start) for start in range(0, n_rows, step)]
     reference, _ = reference_loss(hidden, weight, labels, bias,
                                   **{k: v for k, v in options.items() if k != "logits_dtype"})
@@ -209,39 +215,40 @@ def test_ignored_rows_skip_the_matmul(monkeypatch):
     assert sum(seen_rows) == int((labels != -100).sum())
 
 
-def test_auto_chunk_rows_stays_in_budget():
+def test_rows_within_stays_in_budget():
+    budget = plan.LOGITS_BUDGET_BYTES
     for vocab, itemsize in ((128256, 2), (256000, 2), (151936, 6), (32000, 4)):
-        rows = chunked.auto_chunk_rows(vocab * itemsize)
-        assert rows * vocab * itemsize <= chunked.LOGITS_BUDGET_BYTES < (rows + 1) * vocab * itemsize
-    assert chunked.auto_chunk_rows(10**12) == 1
+        rows = plan.rows_within(vocab * itemsize, budget)
+        assert rows * vocab * itemsize <= budget < (rows + 1) * vocab * itemsize
+    assert plan.rows_within(10**12, budget) == 1
 
 
-def test_plan_chunk_rows_uses_fewest_equal_chunks():
+def test_split_rows_uses_fewest_equal_chunks():
     rng = random.Random(0)
     cases = [(7373, 491), (7373, 2304), (8192, 960), (1, 1), (5, 1), (100, 7), (4096, 4096), (64, 1000)]
     cases += [(rng.randint(1, 5000), rng.randint(1, 5000)) for _ in range(200)]
     for n_rows, max_rows in cases:
-        rows = chunked.plan_chunk_rows(n_rows, max_rows)
+        rows = plan.split_rows(n_rows, max_rows)
         n_chunks = -(-n_rows // rows)
         assert rows <= max_rows and rows <= n_rows, (n_rows, max_rows)
         assert n_chunks == -(-n_rows // max_rows), (n_rows, max_rows)  # no more chunks than needed
         last = n_rows - (n_chunks - 1) * rows
         assert rows - last < 64 * n_chunks, (n_rows, max_rows)  # balanced: no nearly empty last chunk
-    assert chunked.plan_chunk_rows(7373, 2304) == 1856  # 4 chunks, a multiple of 64
-    assert chunked.plan_chunk_rows(0, 100) == 1
+    assert plan.split_rows(7373, 2304) == 1856  # 4 chunks, a multiple of 64
+    assert plan.split_rows(0, 100) == 1
 
 
 def test_max_chunk_rows_spends_what_the_accumulator_pays_for(monkeypatch):
-    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", 1000)
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", 1000)
     # no wider accumulator: the budget alone (10 rows of 100 bytes)
-    assert chunked.max_chunk_rows(500, 100, None) == 10
-    assert chunked.max_chunk_rows(7, 100, None) == 7
+    assert plan.max_chunk_rows(500, 100, None) == 10
+    assert plan.max_chunk_rows(7, 100, None) == 7
     # one chunk fits in budget + accumulator: it needs no accumulator, so it may take its bytes
-    assert chunked.max_chunk_rows(30, 100, None, accumulator_bytes=2000, result_bytes=1000) == 30
+    assert plan.max_chunk_rows(30, 100, None, accumulator_bytes=2000, result_bytes=1000) == 30
     # several chunks: budget + the returned dW's bytes (allocated only after the loop)
-    assert chunked.max_chunk_rows(31, 100, None, accumulator_bytes=2000, result_bytes=1000) == 20
+    assert plan.max_chunk_rows(31, 100, None, accumulator_bytes=2000, result_bytes=1000) == 20
     # an explicit chunk_size wins
-    assert chunked.max_chunk_rows(500, 100, 7, accumulator_bytes=2000, result_bytes=1000) == 7
+    assert plan.max_chunk_rows(500, 100, 7, accumulator_bytes=2000, result_bytes=1000) == 7
 
 
 @pytest.mark.parametrize("one_chunk", [False, True])
@@ -254,11 +261,12 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, one_chunk
         t.requires_grad_(True)
     n_rows = int((labels != -100).sum())
     assert n_rows < n  # some rows ignored: each chunk row also holds a gathered h row and a dX row
-    bytes_per_row = v * 2 + h * 2 + h * 2
-    accumulator_rows, result_rows = v * h * 4 / bytes_per_row, v * h * 2 / bytes_per_row  # 19.2, 9.6
-    budget_rows = n_rows - 10 if one_chunk else 10
+    temporaries = plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0  # the torch backend's fp32 copies
+    bytes_per_row = v * (2 + temporaries) + h * 2 + h * 2
+    accumulator_rows, result_rows = v * h * 4 / bytes_per_row, v * h * 2 / bytes_per_row
+    budget_rows = n_rows - max(1, int(accumulator_rows) // 2) if one_chunk else 10
     assert (n_rows <= budget_rows + accumulator_rows) == one_chunk
-    monkeypatch.setattr(chunked, "LOGITS_BUDGET_BYTES", budget_rows * bytes_per_row)
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget_rows * bytes_per_row)
     chunk_rows, accumulated = [], []
     original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
 
@@ -277,7 +285,7 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, one_chunk
     if one_chunk:
         assert chunk_rows == [n_rows] and accumulated == [torch.bfloat16]
     else:
-        expected_rows = chunked.plan_chunk_rows(n_rows, int(budget_rows + result_rows))
+        expected_rows = plan.split_rows(n_rows, int(budget_rows + result_rows))
         assert expected_rows > budget_rows and len(chunk_rows) >= 2
         assert chunk_rows[:-1] == [expected_rows] * (len(chunk_rows) - 1)
         assert set(accumulated) == {torch.float32}

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
+from fused_lm_loss.integrations import causal_lm_loss
 
 from .reference import make_inputs
 
@@ -75,7 +76,7 @@ def test_bad_scaling_and_num_items():
     with pytest.raises(ValueError, match="num_items_in_batch"):
         FusedLMLoss()(hidden, weight, labels, num_items_in_batch=0)
     with pytest.raises(ValueError, match="num_items_in_batch"):  # transformers' signature, on logits
-        FusedLMLoss()(logits=hidden @ weight.T, labels=labels, vocab_size=10, num_items_in_batch=0)
+        causal_lm_loss(FusedLMLoss().options, hidden @ weight.T, labels, 10, num_items_in_batch=0)
 
 
 def test_repr_shows_changed_options():

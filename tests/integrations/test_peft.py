@@ -137,7 +137,7 @@ def test_bf16_base_with_fp32_adapters(autocast):
 def test_loss_function_assignment_on_unpatched_peft_model_patches_the_base():
     model = _peft(make_model(), target_modules=["lm_head"])
     model.loss_function = FusedLMLoss()
-    assert fused_lm_loss.integrations.transformers.is_patched(model)
+    assert fused_lm_loss.integrations.is_patched(model)
     assert model(**make_batch()).logits is None
     fused_lm_loss.unpatch(model)
     assert "loss_function" not in model._modules and model(**make_batch()).logits is not None

@@ -12,6 +12,7 @@ import fused_lm_loss
 import transformers
 import transformers.loss.loss_utils
 from fused_lm_loss import FusedLMLoss
+from fused_lm_loss.integrations import causal_lm_loss
 
 from ..conftest import requires_triton
 from .hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
@@ -183,7 +184,7 @@ def test_loss_function_assignment_on_unpatched_model_patches_it():
     model = make_model()
     ref = twin(model)
     model.loss_function = FusedLMLoss(label_smoothing=0.2)  # transformers alone would ignore this
-    assert fused_lm_loss.integrations.transformers.is_patched(model)
+    assert fused_lm_loss.integrations.is_patched(model)
     batch = make_batch()
     out = model(**batch)
     assert out.logits is None
@@ -239,17 +240,16 @@ def test_transformers_loss_signature_on_logits():
 
     want = ForCausalLMLoss(logits, labels, VOCAB, num_items_in_batch=torch.tensor(9))
     (want_grad,) = torch.autograd.grad(want, logits)
-    loss_fn = FusedLMLoss()
-    for got in (
-        loss_fn(logits, labels, VOCAB, num_items_in_batch=torch.tensor(9)),
-        loss_fn(logits=logits, labels=labels, vocab_size=VOCAB, num_items_in_batch=torch.tensor(9)),
-    ):
-        (got_grad,) = torch.autograd.grad(got, logits)
-        assert rel_err(got.detach(), want.detach()) <= 1e-5
-        assert rel_err(got_grad, want_grad) <= 1e-5
+    opts = FusedLMLoss().options
+    got = causal_lm_loss(opts, logits, labels, VOCAB, num_items_in_batch=torch.tensor(9))
+    (got_grad,) = torch.autograd.grad(got, logits)
+    assert rel_err(got.detach(), want.detach()) <= 1e-5
+    assert rel_err(got_grad, want_grad) <= 1e-5
     half = logits.detach().bfloat16().requires_grad_()
-    loss_fn(logits=half, labels=labels, vocab_size=VOCAB).backward()
+    causal_lm_loss(opts, half, labels, VOCAB).backward()
     assert half.grad.dtype == torch.bfloat16  # no fp32 copy of the logits is kept
+    with pytest.raises(TypeError, match="signature"):  # FusedLMLoss itself takes hidden states only
+        FusedLMLoss()(logits, labels, VOCAB)
 
 
 def test_unsupported_models_raise_naming_the_class():

@@ -1,12 +1,25 @@
-"""The pure-PyTorch twins of the Triton kernels (same signatures, same fp32 math).
+"""The "torch" backend: the PyTorch twins of the Triton kernels (same signatures, same fp32 math).
 
-Used for CPU tensors, where no Triton kernel runs (unless tests force the interpreter). The chunk loop
-in ``chunked.py`` is the same for both paths; only these per-chunk steps differ. See the kernel
-files in ``kernels/`` for the math.
+The default for CPU tensors (see ``backends.py`` for the switch). The chunk loop in ``chunked.py`` is the
+same for both backends; only these per-chunk steps differ. See the kernel files in ``kernels/`` for the math.
 """
 from __future__ import annotations
 
 import torch
+
+name = "torch"
+
+
+def supports_stats_in_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """No fused matmul here: a forward without gradients computes its logits chunk and ``row_losses``."""
+    return False
+
+
+def matmul_partials(*args, **kwargs):
+    raise NotImplementedError("the torch backend has no matmul with a statistics epilogue")
+
+
+merge_partials = matmul_partial_bytes_per_row = matmul_partials
 
 
 def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,118 @@
+"""The per-chunk steps behind one interface, and the one switch that picks who implements them.
+
+Two backends implement the steps of the chunk loop (``Backend`` below, same signatures, same fp32 math):
+the Triton kernels (``kernels/``) and their PyTorch twins (``torch_backend.py``). Which one runs:
+
+    fused_lm_loss.use_backend("torch")       in code: from now on, or inside ``with use_backend(...):``
+    FUSED_LM_LOSS_BACKEND=triton|torch        in the environment, when no use_backend() is in force
+    (neither)                                 Triton for CUDA tensors, PyTorch otherwise
+
+"triton" on CPU tensors needs the Triton interpreter (``TRITON_INTERPRET=1``), which the tests use.
+
+Example::
+
+    import fused_lm_loss
+    fused_lm_loss.use_backend("torch")                 # every later call runs the PyTorch steps
+    with fused_lm_loss.use_backend("triton"):          # only inside this block
+        loss = fused_lm_loss.FusedLMLoss()(hidden, weight, labels)
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("triton", "torch")
+ENV_VAR = "FUSED_LM_LOSS_BACKEND"
+
+
+class Backend(Protocol):
+    """What the chunk loop asks of a backend (see the kernel files for the math of each step).
+
+    Shapes: ``labels`` (n,) any integer dtype and strides; ``logits`` (rows, V) with unit column stride;
+    ``target`` (rows,) contiguous int64 columns of this vocab shard (-1: the class lives on another shard);
+    statistics, losses and lse are fp32.
+    """
+
+    name: str
+
+    def kept_rows(self, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, targets, summary = (count, min, max)) of the labels that are not ``ignore_index``."""
+
+    def row_stats(self, logits: torch.Tensor, target: torch.Tensor, *, logit_scale: float, softcap: float | None,
+                  need_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(max, sum-exp, target logit, logit sum) per row, to be merged across vocab shards."""
+
+    def row_losses(self, logits: torch.Tensor, target: torch.Tensor, loss_out: torch.Tensor, lse_out: torch.Tensor, *,
+                   logit_scale: float, softcap: float | None, label_smoothing: float, z_loss: float,
+                   vocab_size: int) -> None:
+        """Per-row loss and lse of a chunk that holds the whole vocabulary."""
+
+    def grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *,
+                    grad_scale: float, row_scale: torch.Tensor | None, logit_scale: float, softcap: float | None,
+                    label_smoothing: float, vocab_size: int, z_loss: float, out_lo: torch.Tensor | None = None) -> None:
+        """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math; with ``out_lo`` the residual."""
+
+    def supports_stats_in_matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``matmul_partials`` can give a no-grad forward its statistics without a logits chunk."""
+
+    def matmul_partials(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        target: torch.Tensor, *, logits_dtype: torch.dtype, logit_scale: float,
+                        softcap: float | None, need_sum: bool) -> torch.Tensor:
+        """(4, tiles, rows) partial statistics of h @ W.T (+ b), never storing the logits."""
+
+    def matmul_partial_bytes_per_row(self, vocab: int) -> int:
+        """Bytes of ``matmul_partials`` output per row (chunk sizing)."""
+
+    def merge_partials(self, partial: torch.Tensor, *, need_sum: bool, loss_out: torch.Tensor | None = None,
+                       lse_out: torch.Tensor | None = None, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                       vocab_size: int = 1):
+        """Merge (4, segments, rows) partials into statistics, or into loss and lse."""
+
+
+_chosen: str | None = None  # set by use_backend(); None: the environment variable, else the device decides
+
+
+class use_backend:
+    """Choose the backend: ``use_backend("torch")`` from now on, or ``with use_backend("torch"):`` for a block.
+
+    ``use_backend(None)`` goes back to the default (``FUSED_LM_LOSS_BACKEND``, else by device).
+    """
+
+    def __init__(self, name: str | None) -> None:
+        global _chosen
+        if name is not None and name not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
+        self._previous, _chosen = _chosen, name
+
+    def __enter__(self) -> "use_backend":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _chosen
+        _chosen = self._previous
+
+
+def backend_name(device: torch.device) -> str:
+    """The backend a call on ``device`` runs: use_backend(), else $FUSED_LM_LOSS_BACKEND, else by device."""
+    name = _chosen or os.environ.get(ENV_VAR) or ("triton" if device.type == "cuda" else "torch")
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {name!r}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"the triton backend runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; got {device} "
+            "tensors: use_backend('torch') or move the tensors"
+        )
+    return name
+
+
+def get_backend(device: torch.device) -> Backend:
+    """The backend module for a call on ``device`` (Triton is imported only when it runs)."""
+    if backend_name(device) == "torch":
+        from . import torch_backend
+
+        return torch_backend
+    from . import kernels
+
+    return kernels

@@ -1,0 +1,117 @@
+"""One patched training forward: lm_head computes the fused loss and returns a probe, loss_function
+returns that loss after checking what the model did to the probe (see ``hf_patch``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..loss import lm_loss
+from ..options import LossOptions
+from . import peft as peft_integration
+from .hf_loss import shifted_labels
+
+_PROBE_VALUES = (-1024.0, -48.0, -3.0, 0.75, 6.0, 256.0)
+
+
+class FusedCall:
+    """State of one patched training forward: lm_head computes the loss, loss_function returns it."""
+
+    def __init__(self, model: nn.Module, head: nn.Module, opts: LossOptions, labels: torch.Tensor, kwargs: dict):
+        self.model, self.head, self.labels, self.kwargs = model, head, labels, kwargs
+        if kwargs.get("ignore_index") is not None:
+            opts = dataclasses.replace(opts, ignore_index=kwargs["ignore_index"])
+        self.opts = opts
+        self.loss: torch.Tensor | None = None
+        self.vocab = 0
+        self.probe: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # what the model passed to loss_function
+
+    def head_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        name = type(self.model).__name__
+        if args or kwargs:
+            raise TypeError(f"fused_lm_loss: {name} calls its lm_head with extra arguments; not supported")
+        if self.loss is not None:
+            raise RuntimeError(f"fused_lm_loss: {name} calls its lm_head twice in one forward; not supported")
+        weight, bias, low_rank = peft_integration.head_pieces(self.head, x)
+        labels = shifted_labels(self.labels, self.kwargs.get("shift_labels"), self.opts.ignore_index)
+        labels = labels.reshape(-1).to(x.device)
+        hidden = x.reshape(-1, x.shape[-1])
+        if hidden.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"{name}: {hidden.shape[0]} positions have hidden states (logits_to_keep?) but there are "
+                f"{labels.shape[0]} labels; as in transformers, they must match"
+            )
+        if low_rank is not None:
+            low_rank = (low_rank[0].reshape(hidden.shape[0], -1), low_rank[1])
+        self.loss = lm_loss(
+            hidden, weight, labels, bias, self.opts,
+            num_items_in_batch=self.kwargs.get("num_items_in_batch"), low_rank=low_rank,
+        )
+        self.vocab = weight.shape[0]
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+        row = torch.tensor(_PROBE_VALUES, dtype=dtype, device=x.device)
+        self.probe = row.expand(*x.shape[:-1], len(_PROBE_VALUES)).contiguous()
+        return self.probe
+
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs: Any) -> torch.Tensor:
+        """Stands in for ``model.loss_function`` during the forward: returns the fused loss."""
+        name = type(self.model).__name__
+        if self.loss is None:
+            raise RuntimeError(f"fused_lm_loss: {name} called loss_function before its lm_head; not supported")
+        if labels is not self.labels or any(kwargs.get(k) is not self.kwargs.get(k) for k in _LOSS_KWARGS):
+            raise RuntimeError(
+                f"fused_lm_loss: {name} changes the labels or loss arguments between its forward and "
+                "loss_function; the fused loss cannot reproduce that"
+            )
+        if vocab_size != self.vocab:
+            raise RuntimeError(
+                f"fused_lm_loss: {name}'s lm_head has {self.vocab} rows but its loss uses vocab_size={vocab_size}"
+            )
+        self._check_logit_ops(logits)
+        self.logits = logits
+        return self.loss
+
+    def _check_logit_ops(self, logits: torch.Tensor) -> None:
+        """The model's ops between lm_head and the loss must be exactly the fused softcap / scale."""
+        probe = self.probe
+        if not isinstance(logits, torch.Tensor) or logits.shape != probe.shape:
+            raise RuntimeError(
+                f"fused_lm_loss: {type(self.model).__name__} reshapes or replaces its logits before the loss; "
+                "not supported"
+            )
+        expected = probe.float() * self.opts.logit_scale
+        if self.opts.softcap is not None:
+            expected = torch.tanh(expected / self.opts.softcap) * self.opts.softcap
+        rtol = max(4 * torch.finfo(logits.dtype).eps, 4 * torch.finfo(probe.dtype).eps, 1e-5)
+        if not torch.allclose(logits.float(), expected, rtol=rtol, atol=0.0):
+            raise RuntimeError(
+                f"fused_lm_loss: {type(self.model).__name__} transforms its lm_head output in a way that "
+                f"logit_scale={self.opts.logit_scale}, softcap={self.opts.softcap} (read from its config) does "
+                "not reproduce; this model is not supported by patch()"
+            )
+
+    def finish(self, outputs: Any) -> Any:
+        """Check the forward went through lm_head and loss_function; drop the probe logits."""
+        name = type(self.model).__name__
+        if self.loss is None:  # a path that never projects (e.g. TRL's own fused head): nothing was replaced
+            return outputs
+        if self.logits is None:
+            raise RuntimeError(
+                f"fused_lm_loss: {name}.forward did not pass its logits to self.loss_function; not supported"
+            )
+        if isinstance(outputs, tuple):
+            return tuple(o for o in outputs if o is not self.logits)
+        from transformers.utils import ModelOutput
+
+        if isinstance(outputs, ModelOutput):
+            fields = {k: v for k, v in outputs.items() if v is not self.logits}
+            return type(outputs)(**fields)
+        raise RuntimeError(f"fused_lm_loss: {name}.forward returned a {type(outputs).__name__}; not supported")
+
+
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+

@@ -1,0 +1,285 @@
+"""``patch`` / ``unpatch`` for Hugging Face causal LMs (and peft models around them).
+
+How a patched model trains (one mechanism for every ``*ForCausalLM`` whose forward is
+"decoder -> last hidden state -> lm_head -> self.loss_function"):
+
+1. ``model.forward`` (instance attribute) is wrapped. In training with labels it runs the original
+   forward while ``lm_head.forward`` is temporarily replaced (``hf_forward.FusedCall``).
+2. The replacement receives the hidden states (already sliced by ``logits_to_keep``) and computes
+   the fused loss right there, inside the lm_head module call, from ``lm_head.weight`` (and the LoRA
+   pieces when peft wraps lm_head): under FSDP2 with lm_head as its own unit, that is when the full
+   weight exists. It returns a tiny probe tensor instead of the logits.
+3. The model's family-specific logit ops run on the probe for free; ``self.loss_function(...)`` then
+   returns the precomputed loss after checking that the model transformed the probe exactly as the fused
+   loss does (softcap and logit scale read from the config: ``hf_config.py``), so a model that does
+   something else to its logits gets an error instead of a wrong loss.
+4. The output's ``logits`` is None (they were never computed).
+
+In eval mode, without labels, or when ``model.loss_function`` is a callable other than a
+``FusedLMLoss``, the original forward runs untouched; with a ``FusedLMLoss`` assigned, the loss of
+those calls is computed from the logits the model made (``hf_loss.causal_lm_loss``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+from torch import nn
+
+from ..loss import FusedLMLoss
+from ..options import LossOptions
+from . import peft as peft_integration
+from .hf_config import model_options
+from .hf_forward import FusedCall
+from .hf_loss import causal_lm_loss
+
+_STATE_ATTR = "_fused_lm_loss_patch"
+_SWAPPED_CLASSES: dict[type, type] = {}
+
+
+def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: Any = None) -> nn.Module:
+    """Make a Hugging Face causal LM (or a peft ``PeftModel`` around one) train with the fused loss.
+
+    Instance-level: only this model changes, and :func:`unpatch` restores it. In training mode with
+    ``labels``, the hidden states go straight to the fused loss and ``outputs.logits`` is ``None``;
+    ``logits_to_keep``, ``shift_labels``, ``num_items_in_batch`` and every other keyword behave as in
+    transformers. In eval mode, without labels, or during ``generate()``, the model is unchanged.
+
+    Args:
+        model: a ``*ForCausalLM`` (or a ``PeftModel``: its base model is patched).
+        loss_fn: the loss to train with; None builds ``FusedLMLoss()``. The model's softcap
+            (``final_logit_softcapping``) and logit scale (Cohere ``logit_scale``, Granite
+            ``1 / logits_scaling``) always come from its config.
+        grad_scaler: fp16 training: the ``torch.amp.GradScaler`` whose scale the fused gradients
+            are stored with, used when ``loss_fn`` has none. With ``Trainer(fp16=True)``:
+            ``patch(trainer.model, grad_scaler=trainer.accelerator.scaler)``.
+
+    After patching, ``model.loss_function = FusedLMLoss(label_smoothing=0.1)`` reconfigures the loss
+    (transformers alone would silently ignore an ``nn.Module`` assigned there); assigning any other
+    callable makes the model compute logits and call it, as transformers does. With ``Trainer``, use
+    ``FusedLMLoss(label_smoothing=...)`` rather than ``label_smoothing_factor`` (Trainer then withholds the
+    labels from the model and smooths the full logits itself).
+
+    Example::
+
+        import fused_lm_loss
+        model = AutoModelForCausalLM.from_pretrained("...")
+        model = fused_lm_loss.patch(model)
+        loss = model(input_ids=ids, labels=ids).loss      # fused; outputs.logits is None
+        fused_lm_loss.unpatch(model)                       # back to the original forward
+    """
+    target = _causal_lm(model)
+    if getattr(target, _STATE_ATTR, None) is not None:
+        raise RuntimeError(f"{type(target).__name__} is already patched; call fused_lm_loss.unpatch(model) first")
+    if loss_fn is not None and not isinstance(loss_fn, FusedLMLoss):
+        raise TypeError(f"loss_fn must be a FusedLMLoss or None, got {type(loss_fn).__name__}")
+    _check_structure(target)
+    if "_loss_function" in vars(target) and loss_fn is None:
+        raise ValueError(
+            f"{type(target).__name__} already has a custom loss_function ({target._loss_function!r}); "
+            "patching would replace it: pass loss_fn=FusedLMLoss(...) or remove it first"
+        )
+    state = _PatchState(
+        model_options=model_options(target),
+        grad_scaler=grad_scaler,
+        saved_forward=vars(target).get("forward"),
+        original_class=type(target),
+    )
+    state.assign(target, loss_fn)
+    object.__setattr__(target, _STATE_ATTR, state)
+    object.__setattr__(target, "forward", _FusedForward(target, target.forward))
+    target.__class__ = _swapped_class(type(target))
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch`: restore the original class, forward and loss_function of ``model``.
+
+    Example::
+
+        model = fused_lm_loss.patch(model)
+        ...                                  # train
+        fused_lm_loss.unpatch(model)         # generate / save exactly as before
+    """
+    target = _causal_lm(model)
+    state = getattr(target, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(f"{type(target).__name__} is not patched by fused_lm_loss")
+    target.__class__ = state.original_class
+    del target.__dict__[_STATE_ATTR]
+    if state.saved_forward is None:
+        del target.__dict__["forward"]
+    else:
+        target.__dict__["forward"] = state.saved_forward
+    # An assignment made while unpatched (see integrations.__init__) left the loss as a child module.
+    for owner in {id(model): model, id(target): target}.values():
+        if isinstance(owner._modules.get("loss_function"), FusedLMLoss):
+            del owner._modules["loss_function"]
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model inside a PeftModel) is patched."""
+    return getattr(_causal_lm(model), _STATE_ATTR, None) is not None
+
+
+def assign_loss_function(model: nn.Module, loss_fn: FusedLMLoss) -> None:
+    """``model.loss_function = FusedLMLoss(...)`` on an unpatched model: patch it with that loss."""
+    target = _causal_lm(model)
+    state = getattr(target, _STATE_ATTR, None)
+    if state is None:
+        patch(target, loss_fn)
+    else:
+        state.assign(target, loss_fn)
+
+
+# ---- the patch state and the swapped class (its ``loss_function`` property and ``__setattr__``) ----
+
+
+@dataclasses.dataclass
+class _PatchState:
+    model_options: dict  # softcap / logit_scale of this model's forward
+    grad_scaler: Any
+    saved_forward: Any  # the instance-level forward before patching (None: the class's)
+    original_class: type
+    user_loss: Any = None  # what was assigned to loss_function (None: the transformers default)
+    fused_options: LossOptions | None = None  # the fused loss's options, None when not fusing
+    forward_loss: Callable | None = None  # what loss_function gives during a forward in progress
+
+    def assign(self, model: nn.Module, loss_fn: Any) -> None:
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_function must be callable, got {type(loss_fn).__name__}")
+        user = FusedLMLoss() if loss_fn is None else loss_fn
+        if isinstance(user, FusedLMLoss):
+            self.fused_options = _merge_options(user.options, self.model_options, self.grad_scaler, model)
+        else:
+            self.fused_options = None
+        self.user_loss = loss_fn
+        model._modules.pop("loss_function", None)
+
+
+def _merge_options(user: LossOptions, model_options: dict, grad_scaler: Any, model: nn.Module) -> LossOptions:
+    """The user's options with the model's softcap / logit scale (which must not contradict them)."""
+    for name, default in (("softcap", None), ("logit_scale", 1.0)):
+        mine, theirs = getattr(user, name), model_options[name]
+        if mine != default and mine != theirs:
+            raise ValueError(
+                f"{name}={mine} contradicts {type(model).__name__}, whose forward applies {name}={theirs}: "
+                f"leave {name} unset, the patched model takes it from its config"
+            )
+    if user.process_group is not None:
+        raise ValueError("patch() does not handle a vocab-parallel FusedLMLoss (process_group); use the core API")
+    scaler = grad_scaler if user.grad_scaler is None else user.grad_scaler
+    return dataclasses.replace(user, **model_options, grad_scaler=scaler)
+
+
+def _loss_function_get(self: nn.Module) -> Any:
+    state = self.__dict__[_STATE_ATTR]
+    if state.forward_loss is not None:
+        return state.forward_loss
+    if state.user_loss is not None:
+        return state.user_loss
+    return state.original_class.loss_function.__get__(self)
+
+
+def _setattr(self: nn.Module, name: str, value: Any) -> None:
+    if name == "loss_function":
+        self.__dict__[_STATE_ATTR].assign(self, value)
+    else:
+        self.__dict__[_STATE_ATTR].original_class.__setattr__(self, name, value)
+
+
+def _swapped_class(cls: type) -> type:
+    """A subclass with the same name (so save_pretrained records the real architecture)."""
+    if cls not in _SWAPPED_CLASSES:
+        _SWAPPED_CLASSES[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "loss_function": property(_loss_function_get),  # assignment goes through __setattr__
+                "__setattr__": _setattr,
+            },
+        )
+    return _SWAPPED_CLASSES[cls]
+
+
+# ---- the forward wrapper ----
+
+
+class _FusedForward:
+    """``model.forward`` of a patched model. A callable object rather than a closure so that
+    ``copy.deepcopy(model)`` gives a copy whose forward drives the copy, and with the original
+    signature so that ``Trainer`` keeps the right dataset columns and passes ``num_items_in_batch``."""
+
+    def __init__(self, model: nn.Module, inner: Callable) -> None:
+        self.model, self.inner = model, inner
+        self.__signature__ = inspect.signature(inner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        state = model.__dict__[_STATE_ATTR]
+        if state.fused_options is None:  # another callable was assigned to loss_function
+            return self.inner(*args, **kwargs)
+        if state.forward_loss is not None:
+            raise RuntimeError(f"{type(model).__name__}.forward re-entered during a fused-loss forward")
+        labels, extra = self._labels(args, kwargs) if model.training else (None, {})
+        if labels is None:  # eval, or no labels: the model makes its logits and, with labels, its loss of them
+            if state.user_loss is None:  # exactly as before patching
+                return self.inner(*args, **kwargs)
+            return self._run(state, functools.partial(causal_lm_loss, state.fused_options), args, kwargs)
+        head = model.get_output_embeddings()
+        call = FusedCall(model, head, state.fused_options, labels, extra)
+        saved = head.__dict__.get("forward")
+        head.forward = call.head_forward  # instance attribute: hooks (FSDP2 unshard) still run around it
+        try:
+            outputs = self._run(state, call.loss_function, args, kwargs)
+        finally:
+            if saved is None:
+                del head.forward
+            else:
+                head.forward = saved
+        return call.finish(outputs)
+
+    def _labels(self, args: tuple, kwargs: dict) -> tuple[Any, dict]:
+        """(labels, the **kwargs dict) of a call; labels None when the call does not bind."""
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError:
+            return None, {}  # let the model report its own argument error
+        params = self.__signature__.parameters
+        extra = next((v for k, v in bound.arguments.items() if params[k].kind is inspect.Parameter.VAR_KEYWORD), {})
+        return bound.arguments.get("labels", extra.get("labels")), extra
+
+    def _run(self, state: _PatchState, loss_function: Callable, args: tuple, kwargs: dict) -> Any:
+        state.forward_loss = loss_function
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            state.forward_loss = None
+
+
+def _check_structure(model: nn.Module) -> None:
+    name = type(model).__name__
+    if not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+        raise TypeError(f"fused_lm_loss.patch: {name} is not a transformers PreTrainedModel with a loss_function")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Module):
+        raise TypeError(f"fused_lm_loss.patch: {name} has no output embeddings (lm_head); is it a *ForCausalLM?")
+    code = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    if code is not None and "loss_function" not in code.co_names:
+        raise TypeError(
+            f"fused_lm_loss.patch: {name}.forward does not compute its loss with self.loss_function, so the "
+            "fused loss cannot replace it (supported: forwards of the form decoder -> lm_head -> loss_function)"
+        )
+    peft_integration.check_head(head)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel, or the model itself."""
+    if hasattr(model, "get_base_model") and type(model).__module__.startswith("peft."):
+        return model.get_base_model()
+    return model

@@ -1,0 +1,438 @@
+"""The fused loss as PyTorch operators (``torch.library.custom_op``): one opaque node for torch.compile.
+
+    fused_lm_loss::linear_cross_entropy          hidden states -> loss (or per-token losses), lse, and the
+                                                 gradients made in forward
+    fused_lm_loss::linear_cross_entropy_backward reduction="none": the gradients for a per-token grad_output
+    fused_lm_loss::logits_cross_entropy          the same from logits that already exist (transformers'
+    fused_lm_loss::logits_cross_entropy_backward loss signature)
+    fused_lm_loss::rescale_grads                 compiled backward: grad_output / scaling on the saved gradients
+
+Everything data-dependent (the kept-row count, the label check, the host syncs, the chunk loop) happens
+inside an operator, so Dynamo sees static shapes: the loss is () (or like the labels), each gradient is
+shaped like its input, or (0,) when not needed. The fake implementations give exactly those shapes. A
+changing number of ignored labels therefore never recompiles, and the kernels inside are never traced or
+re-compiled by Inductor.
+
+Autograd (``register_autograd``): gradients are made in forward and saved; backward multiplies them by
+``grad_output / scaling``, out of place (retain_graph works). In eager mode a factor of exactly 1.0 returns
+the saved tensors themselves. Compiled backward runs ``rescale_grads`` instead, which always writes new
+tensors (an operator may not return its inputs): one multiply per gradient. A scale of 0 with a non-zero
+grad_output raises in both. reduction="none" saves the inputs (version counters guard them) and recomputes
+in backward. Second-order gradients are not supported: a backward with ``create_graph=True`` raises.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .backends import get_backend
+from .chunked import GivenLogits, LinearHead, label_ids, run_chunks, select_rows
+from .options import LossOptions
+from .plan import GradNeeds, make_plan
+
+_NO_GRAD = GradNeeds()
+
+
+# ---- the options as operator arguments (plain values; a process group by name) --------------------------
+
+
+def option_args(opts: LossOptions) -> tuple:
+    """The options of a call, in the operators' argument order (after the tensors and ``scaling``)."""
+    return (
+        opts.ignore_index, opts.reduction, float(opts.label_smoothing), float(opts.z_loss),
+        None if opts.softcap is None else float(opts.softcap), float(opts.logit_scale), opts.chunk_size,
+        opts.accum_dtype, opts.logits_dtype, distributed.group_name(opts.process_group), opts.vocab_start,
+        opts.vocab_size, opts.reduce_grad_input,
+    )
+
+
+def _options(
+    ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size, accum_dtype, logits_dtype,
+    group, vocab_start, vocab_size, reduce_grad_input,
+) -> LossOptions:
+    return LossOptions(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size, accum_dtype=accum_dtype,
+        logits_dtype=logits_dtype, process_group=distributed.group_of(group), vocab_start=vocab_start,
+        vocab_size=vocab_size, reduce_grad_input=reduce_grad_input,
+    )
+
+
+_OPTION_COUNT = 13
+
+
+# ---- shared rules --------------------------------------------------------------------------------------
+
+
+def mean_denominator(n_rows: int, num_items: Tensor | None) -> float:
+    """What reduction="mean" divides the summed loss by: exactly ``num_items_in_batch`` when given, else
+    the number of rows with a loss. When no row carries a loss the sum is 0 and so is the loss (also with
+    ``num_items_in_batch=0``); a zero ``num_items_in_batch`` with rows that carry a loss raises."""
+    if num_items is None:
+        return float(max(n_rows, 1))
+    denominator = float(num_items)
+    if not math.isfinite(denominator) or denominator < 0 or (denominator == 0 and n_rows > 0):
+        raise ValueError(
+            f"num_items_in_batch must be a finite number > 0 when tokens carry a loss, got {denominator}"
+        )
+    return denominator if denominator > 0 else 1.0
+
+
+def _scaling(scale: Tensor | None, scaling: float) -> float:
+    """The gradient scale of a call: the GradScaler's scale tensor when given, else ``scaling``."""
+    value = float(scale) if scale is not None else float(scaling)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"the gradient scaling must be a finite number >= 0, got {value}")
+    return value
+
+
+def grad_factor(grad_output: Tensor, scaling: float) -> float:
+    """grad_output / scaling for the gradients made in forward (scaled by ``scaling``); one host sync."""
+    go = float(grad_output)
+    if scaling == 0.0 and go != 0.0:
+        raise RuntimeError(
+            "the fused loss was computed with scaling=0 (a GradScaler scale of 0?): its gradients are all zero "
+            f"and cannot be rescaled to grad_output={go}. Use a non-zero scale."
+        )
+    return 0.0 if scaling == 0.0 else go / scaling
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """An operator output that was not asked for: (0,) like ``like`` (the fake implementations agree)."""
+    return _empty(like) if t is None else t
+
+
+# ---- fused_lm_loss::linear_cross_entropy ---------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_lm_loss::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    low_rank_input: Optional[Tensor],
+    low_rank_weight: Optional[Tensor],
+    labels: Tensor,
+    num_items: Optional[Tensor],
+    scale: Optional[Tensor],
+    scaling: float,
+    needs: Sequence[bool],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    logit_scale: float,
+    chunk_size: Optional[int],
+    accum_dtype: Optional[torch.dtype],
+    logits_dtype: Optional[torch.dtype],
+    group: Optional[str],
+    vocab_start: Optional[int],
+    vocab_size: Optional[int],
+    reduce_grad_input: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, d hidden, d weight, d bias, d u, d B) of CE(softcap(s * (h @ W.T + b + u @ B.T)), labels).
+
+    hidden (..., H), weight (V_shard, H), bias (V_shard,), u (..., r), B (V_shard, r), labels (...) of any
+    integer dtype and any strides. loss is () for "mean"/"sum", shaped like labels (fp32) for "none"; lse
+    (N,) fp32 only for "none" with gradients (kept for the recompute), else (0,). Each gradient is made only
+    where ``needs`` says (order: hidden, weight, bias, u, B), contiguous and shaped like its input, scaled by
+    ``scaling`` (or the value of ``scale``) / the mean denominator; else (0,).
+    """
+    opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
+                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input)
+    scaling = _scaling(scale, scaling)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    grad_needs = GradNeeds(*needs)
+
+    if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
+        plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None)
+        out = run_chunks(plan, head, rows)
+        per_token = _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape)
+        lse = _scatter_rows(out.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
+        return (per_token, lse, *(_empty(hidden) for _ in range(5)))
+
+    denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
+    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+                     needs=grad_needs, grad_scale=scaling / denominator)
+    out = run_chunks(plan, head, rows)
+    loss = out.loss.sum() / denominator
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    return (loss, _empty(loss), *(_shaped_like(g, x, hidden) for g, x in zip(out.grads, inputs)))
+
+
+def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels):
+    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the kept rows."""
+    labels = label_ids(labels)
+    n = labels.numel()  # not -1: hidden may have 0 columns (the logits are then the bias, as in F.linear)
+    low_rank = None
+    if low_rank_input is not None:
+        low_rank = (low_rank_input.reshape(n, low_rank_input.shape[-1]), low_rank_weight)
+    backend = get_backend(hidden.device)
+    shard = distributed.Shard.of(weight, labels, opts)
+    rows = select_rows(labels, opts.ignore_index, shard, backend)
+    return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank), rows, backend, shard
+
+
+def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor) -> Tensor:
+    """A gradient of the chunk loop in its input's shape (contiguous), or (0,) when not asked for."""
+    return _empty(empty_like) if grad is None else grad.view(like.shape)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, scale, scaling, needs, *options):
+    reduction = options[1]
+    loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+    lse = hidden.new_empty((labels.numel(),) if reduction == "none" and any(needs) else (0,), dtype=torch.float32)
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    grads = [x.new_empty(x.shape) if need and reduction != "none" else hidden.new_empty((0,)) for need, x in zip(needs, inputs)]
+    return (loss, lse, *grads)
+
+
+def _scatter_rows(values: Tensor, rows, n: int) -> Tensor:
+    """(rows.count,) values of the kept rows -> (n,), zero at ignored positions."""
+    if rows.index is None:
+        return values
+    return values.new_zeros(n).index_copy_(0, rows.index, values)
+
+
+@torch.library.custom_op("fused_lm_loss::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    low_rank_input: Optional[Tensor],
+    low_rank_weight: Optional[Tensor],
+    labels: Tensor,
+    lse: Tensor,
+    grad_per_token: Tensor,
+    needs: Sequence[bool],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    logit_scale: float,
+    chunk_size: Optional[int],
+    accum_dtype: Optional[torch.dtype],
+    logits_dtype: Optional[torch.dtype],
+    group: Optional[str],
+    vocab_start: Optional[int],
+    vocab_size: Optional[int],
+    reduce_grad_input: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of sum_i grad_per_token[i] * loss_i (reduction="none"; grad_per_token shaped like labels),
+    recomputing the logits chunk by chunk from the saved inputs and the forward's lse; (0,) where not needed."""
+    opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
+                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None, needs=GradNeeds(*needs))
+    row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
+    out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    return tuple(_shaped_like(g, x, hidden) for g, x in zip(out.grads, inputs))
+
+
+@linear_cross_entropy_backward.register_fake
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, grad_per_token, needs, *options):
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
+
+
+def _kept(per_token: Tensor, rows) -> Tensor:
+    """(N,) per-token values -> (rows.count,) contiguous values of the kept rows."""
+    return (per_token if rows.index is None else per_token[rows.index]).contiguous()
+
+
+# ---- fused_lm_loss::logits_cross_entropy ---------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_lm_loss::logits_cross_entropy", mutates_args=())
+def logits_cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    num_items: Optional[Tensor],
+    need_grad: bool,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_size: Optional[int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, d logits) of CE(logits, labels) for logits (..., V) that already carry the model's softcap
+    / scale; the same outputs and rules as ``linear_cross_entropy`` (d logits in the logits' dtype)."""
+    opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                       z_loss=z_loss, chunk_size=chunk_size)
+    head, rows, backend, shard = _logits_call(opts, logits, labels)
+    if reduction == "none":
+        out = run_chunks(make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None), head, rows)
+        lse = _scatter_rows(out.lse, rows, labels.numel()) if need_grad else _empty(out.loss)
+        return _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape), lse, _empty(logits)
+    denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
+    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+                     needs=GradNeeds(hidden=need_grad), grad_scale=1.0 / denominator)
+    out = run_chunks(plan, head, rows)
+    return out.loss.sum() / denominator, _empty(logits), _shaped_like(out.grads[0], logits, logits)
+
+
+def _logits_call(opts, logits, labels):
+    """(head, rows, backend, shard) of a call on given logits."""
+    labels = label_ids(labels)
+    vocab = logits.shape[-1]
+    backend = get_backend(logits.device)
+    shard = distributed.Shard.whole(vocab)
+    rows = select_rows(labels, opts.ignore_index, shard, backend)
+    return GivenLogits(logits.reshape(labels.numel(), vocab)), rows, backend, shard
+
+
+@logits_cross_entropy.register_fake
+def _(logits, labels, num_items, need_grad, ignore_index, reduction, *options):
+    loss = logits.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+    lse = logits.new_empty((labels.numel(),) if reduction == "none" and need_grad else (0,), dtype=torch.float32)
+    grad = logits.new_empty(logits.shape) if need_grad and reduction != "none" else logits.new_empty((0,))
+    return loss, lse, grad
+
+
+@torch.library.custom_op("fused_lm_loss::logits_cross_entropy_backward", mutates_args=())
+def logits_cross_entropy_backward(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    grad_per_token: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_size: Optional[int],
+) -> Tensor:
+    """d(sum_i grad_per_token[i] * loss_i) / d logits (reduction="none")."""
+    opts = LossOptions(ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
+                       z_loss=z_loss, chunk_size=chunk_size)
+    head, rows, backend, shard = _logits_call(opts, logits, labels)
+    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+                     needs=GradNeeds(hidden=True))
+    row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
+    out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
+    return out.grads[0].view(logits.shape)
+
+
+@logits_cross_entropy_backward.register_fake
+def _(logits, labels, lse, grad_per_token, *options):
+    return logits.new_empty(logits.shape)
+
+
+# ---- fused_lm_loss::rescale_grads and the autograd rules -----------------------------------------------
+
+
+@torch.library.custom_op("fused_lm_loss::rescale_grads", mutates_args=())
+def rescale_grads(grads: list[Tensor], grad_output: Tensor, scale: Optional[Tensor], scaling: float) -> list[Tensor]:
+    """Each gradient made in forward times grad_output / scaling, as new tensors (compiled backward)."""
+    factor = grad_factor(grad_output, _scaling(scale, scaling))
+    return [g * factor for g in grads]
+
+
+@rescale_grads.register_fake
+def _(grads, grad_output, scale, scaling):
+    return [torch.empty_like(g) for g in grads]
+
+
+def _rescaled(grads: list[Tensor], grad_output: Tensor, scale: Tensor | None, scaling: float) -> list[Tensor]:
+    """grad_output / scaling applied out of place; in eager mode a factor of exactly 1.0 returns ``grads``."""
+    if torch.compiler.is_compiling():
+        return rescale_grads(grads, grad_output, scale, scaling)
+    factor = grad_factor(grad_output, _scaling(scale, scaling))
+    if factor == 1.0:
+        return grads
+    return [g * factor for g in grads]
+
+
+def _refuse_double_backward() -> None:
+    # backward runs with grad mode on only for create_graph=True; tracing a compiled backward is not that
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "fused_lm_loss does not support higher-order gradients: its backward only rescales gradients made in "
+            "forward, so a gradient of its gradient would be silently wrong. Call autograd.grad / backward without "
+            "create_graph=True, or compute this loss with F.cross_entropy on the logits."
+        )
+
+
+def _setup_linear(ctx, inputs, output) -> None:
+    hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, scale, scaling, needs, *options = inputs
+    loss, lse, *grads = output
+    ctx.needs, ctx.options = tuple(needs), tuple(options)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse, *grads)
+    if options[1] == "none":
+        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse)
+    else:
+        ctx.scaling = scaling
+        _keep_grads(ctx, grads, scale)
+
+
+def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
+    """Keep the gradients made in forward for backward (and save ``also_saved``, which backward reads).
+
+    In eager mode they are held as plain references: the engine then sees a second owner of what backward
+    returns for a factor of 1.0 and copies it into ``param.grad`` rather than adopting it, so a second
+    backward (retain_graph) never accumulates into them. They are non-differentiable outputs, so this makes
+    no reference cycle. Compiled backward always returns new tensors; there they are saved as usual.
+    """
+    if torch.compiler.is_compiling():
+        ctx.save_for_backward(*also_saved, *grads)
+        ctx.grads = None
+    else:
+        ctx.save_for_backward(*also_saved)
+        ctx.grads = tuple(grads)
+
+
+def _backward_linear(ctx, grad_loss, *unused):
+    _refuse_double_backward()
+    nothing = (None,) * (5 + _OPTION_COUNT)  # labels, num_items, scale, scaling, needs; the options
+    if grad_loss is None or not any(ctx.needs):
+        return (None,) * 5 + nothing
+    if ctx.options[1] == "none":
+        grads = linear_cross_entropy_backward(*ctx.saved_tensors, grad_loss, list(ctx.needs), *ctx.options)
+    else:
+        saved = ctx.saved_tensors
+        scale, grads = saved[0], (saved[1:] if ctx.grads is None else ctx.grads)
+        kept = [g for g, need in zip(grads, ctx.needs) if need]
+        rescaled = iter(_rescaled(kept, grad_loss, scale, ctx.scaling))
+        grads = [next(rescaled) if need else None for need in ctx.needs]
+    return (*(g if need else None for g, need in zip(grads, ctx.needs)), *nothing)
+
+
+linear_cross_entropy.register_autograd(_backward_linear, setup_context=_setup_linear)
+
+
+def _setup_logits(ctx, inputs, output) -> None:
+    logits, labels, _, need_grad, ignore_index, reduction, label_smoothing, z_loss, chunk_size = inputs
+    loss, lse, grad = output
+    ctx.need_grad, ctx.reduction = need_grad, reduction
+    ctx.options = (ignore_index, label_smoothing, z_loss, chunk_size)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse, grad)
+    if reduction == "none":
+        ctx.save_for_backward(logits, labels, lse)
+    else:
+        _keep_grads(ctx, [grad])
+
+
+def _backward_logits(ctx, grad_loss, *unused):
+    _refuse_double_backward()
+    nothing = (None,) * 8
+    if grad_loss is None or not ctx.need_grad:
+        return (None, *nothing)
+    if ctx.reduction == "none":
+        return (logits_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.options), *nothing)
+    (grad,) = ctx.saved_tensors if ctx.grads is None else ctx.grads
+    return (_rescaled([grad], grad_loss, None, 1.0)[0], *nothing)
+
+
+logits_cross_entropy.register_autograd(_backward_logits, setup_context=_setup_logits)
