@@ -3,7 +3,7 @@ returns that loss after checking what the model did to the probe (see ``hf_patch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -70,28 +70,11 @@ class FusedCall:
             raise RuntimeError(
                 f"fused_lm_loss: {name}'s lm_head has {self.vocab} rows but its loss uses vocab_size={vocab_size}"
             )
-        self._check_logit_ops(logits)
+        if not isinstance(logits, torch.Tensor) or logits.shape != self.probe.shape:
+            raise RuntimeError(f"fused_lm_loss: {name} reshapes or replaces its logits before the loss; not supported")
         self.logits = logits
-        return self.loss
-
-    def _check_logit_ops(self, logits: torch.Tensor) -> None:
-        """The model's ops between lm_head and the loss must be exactly the fused softcap / scale."""
-        probe = self.probe
-        if not isinstance(logits, torch.Tensor) or logits.shape != probe.shape:
-            raise RuntimeError(
-                f"fused_lm_loss: {type(self.model).__name__} reshapes or replaces its logits before the loss; "
-                "not supported"
-            )
-        expected = probe.float() * self.opts.logit_scale
-        if self.opts.softcap is not None:
-            expected = torch.tanh(expected / self.opts.softcap) * self.opts.softcap
-        rtol = max(4 * torch.finfo(logits.dtype).eps, 4 * torch.finfo(probe.dtype).eps, 1e-5)
-        if not torch.allclose(logits.float(), expected, rtol=rtol, atol=0.0):
-            raise RuntimeError(
-                f"fused_lm_loss: {type(self.model).__name__} transforms its lm_head output in a way that "
-                f"logit_scale={self.opts.logit_scale}, softcap={self.opts.softcap} (read from its config) does "
-                "not reproduce; this model is not supported by patch()"
-            )
+        # The check reads the probe's values, so it runs as an operator: under torch.compile it stays in the graph
+        return probe_checked_loss(self.loss, logits, self.opts.logit_scale, self.opts.softcap, name)
 
     def finish(self, outputs: Any) -> Any:
         """Check the forward went through lm_head and loss_function; drop the probe logits."""
@@ -115,3 +98,29 @@ class FusedCall:
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
+@torch.library.custom_op("fused_lm_loss::probe_checked_loss", mutates_args=())
+def probe_checked_loss(
+    loss: torch.Tensor, probe_logits: torch.Tensor, logit_scale: float, softcap: Optional[float], model_name: str
+) -> torch.Tensor:
+    """``loss`` (a copy), after checking that the model's ops between lm_head and the loss turned the probe
+    into exactly what the fused loss's logit_scale / softcap make of it."""
+    expected = torch.tensor(_PROBE_VALUES, dtype=torch.float32, device=probe_logits.device) * logit_scale
+    if softcap is not None:
+        expected = torch.tanh(expected / softcap) * softcap
+    rtol = max(4 * torch.finfo(probe_logits.dtype).eps, 1e-5)
+    if not torch.allclose(probe_logits.float(), expected.expand(probe_logits.shape), rtol=rtol, atol=0.0):
+        raise RuntimeError(
+            f"fused_lm_loss: {model_name} transforms its lm_head output in a way that logit_scale={logit_scale}, "
+            f"softcap={softcap} (read from its config) does not reproduce; this model is not supported by patch()"
+        )
+    return loss.clone()
+
+
+@probe_checked_loss.register_fake
+def _(loss, probe_logits, logit_scale, softcap, model_name):
+    return torch.empty_like(loss)
+
+
+probe_checked_loss.register_autograd(
+    lambda ctx, grad: (grad, None, None, None, None), setup_context=lambda ctx, inputs, output: None
+)

@@ -90,6 +90,7 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
     state.assign(target, loss_fn)
     object.__setattr__(target, _STATE_ATTR, state)
     object.__setattr__(target, "forward", _FusedForward(target, target.forward))
+    _HeadForward.install(target.get_output_embeddings(), state)
     target.__class__ = _swapped_class(type(target))
     return model
 
@@ -113,6 +114,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         del target.__dict__["forward"]
     else:
         target.__dict__["forward"] = state.saved_forward
+    for head in state.heads:
+        _HeadForward.remove(head)
     # An assignment made while unpatched (see integrations.__init__) left the loss as a child module.
     for owner in {id(model): model, id(target): target}.values():
         if isinstance(owner._modules.get("loss_function"), FusedLMLoss):
@@ -147,6 +150,8 @@ class _PatchState:
     user_loss: Any = None  # what was assigned to loss_function (None: the transformers default)
     fused_options: LossOptions | None = None  # the fused loss's options, None when not fusing
     forward_loss: Callable | None = None  # what loss_function gives during a forward in progress
+    call: "FusedCall | None" = None  # the training forward in progress (its lm_head computes the loss)
+    heads: list = dataclasses.field(default_factory=list)  # the lm_head modules whose forward is wrapped
 
     def assign(self, model: nn.Module, loss_fn: Any) -> None:
         if loss_fn is not None and not callable(loss_fn):
@@ -232,17 +237,13 @@ class _FusedForward:
                 return self.inner(*args, **kwargs)
             return self._run(state, functools.partial(causal_lm_loss, state.fused_options), args, kwargs)
         head = model.get_output_embeddings()
-        call = FusedCall(model, head, state.fused_options, labels, extra)
-        saved = head.__dict__.get("forward")
-        head.forward = call.head_forward  # instance attribute: hooks (FSDP2 unshard) still run around it
+        _HeadForward.install(head, state)  # already there, unless peft replaced lm_head after patch()
+        state.call = FusedCall(model, head, state.fused_options, labels, extra)
         try:
-            outputs = self._run(state, call.loss_function, args, kwargs)
+            outputs = self._run(state, state.call.loss_function, args, kwargs)
+            return state.call.finish(outputs)
         finally:
-            if saved is None:
-                del head.forward
-            else:
-                head.forward = saved
-        return call.finish(outputs)
+            state.call = None
 
     def _labels(self, args: tuple, kwargs: dict) -> tuple[Any, dict]:
         """(labels, the **kwargs dict) of a call; labels None when the call does not bind."""
@@ -260,6 +261,41 @@ class _FusedForward:
             return self.inner(*args, **kwargs)
         finally:
             state.forward_loss = None
+
+
+class _HeadForward:
+    """``lm_head.forward`` of a patched model: during a fused training forward, the call's ``head_forward``
+    (the fused loss from the hidden states); otherwise the module's own forward.
+
+    Installed once, as an instance attribute (module hooks, e.g. FSDP2's unshard, still run around it), rather
+    than swapped in and out around each forward, so that a compiled forward mutates no module.
+    """
+
+    def __init__(self, head: nn.Module, state: "_PatchState") -> None:
+        self.head, self.state = head, state
+        self.saved = head.__dict__.get("forward")  # an instance-level forward before ours, else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.state.call is not None:
+            return self.state.call.head_forward(*args, **kwargs)
+        if self.saved is not None:
+            return self.saved(*args, **kwargs)
+        return type(self.head).forward(self.head, *args, **kwargs)
+
+    @classmethod
+    def install(cls, head: nn.Module, state: "_PatchState") -> None:
+        if not isinstance(head.__dict__.get("forward"), cls):
+            head.forward = cls(head, state)
+            state.heads.append(head)
+
+    @staticmethod
+    def remove(head: nn.Module) -> None:
+        wrapper = head.__dict__.get("forward")
+        if isinstance(wrapper, _HeadForward):
+            if wrapper.saved is None:
+                del head.forward
+            else:
+                head.forward = wrapper.saved
 
 
 def _check_structure(model: nn.Module) -> None:

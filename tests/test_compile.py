@@ -1,0 +1,130 @@
+"""torch.compile(fullgraph=True) through the fused loss: one opaque node, no graph break, no recompile when the
+number of ignored labels changes, and the same loss and gradients as eager."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fused_lm_loss
+import fused_lm_loss.ops
+from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
+
+from .conftest import TEST_DEVICE
+from .reference import reference_loss, rel_err
+
+N, H, V = 48, 16, 97
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _batches(count, *, seed=0):
+    """Batches of the same shape whose number of ignored labels differs from one to the next."""
+    g = torch.Generator().manual_seed(seed)
+    for k in range(count):
+        x = torch.randn(N, H, generator=g).to(TEST_DEVICE)
+        y = torch.randint(0, V, (N,), generator=g).to(TEST_DEVICE)
+        y[: 7 * k] = -100
+        yield x, y
+
+
+class Step(torch.nn.Module):
+    """A projection before the loss, so the compiled graph has work of its own around the fused op."""
+
+    def __init__(self, loss):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(H, H)
+        self.head = torch.nn.Parameter(torch.randn(V, H) * 0.3)
+        self.loss = loss
+
+    def forward(self, x, y):
+        return self.loss(self.proj(x), self.head, y)
+
+
+STEPS = {
+    "module": lambda: FusedLMLoss(label_smoothing=0.1, softcap=30.0, z_loss=1e-3, chunk_size=16),
+    "functional": lambda: lambda h, w, y: fused_linear_cross_entropy(
+        h, w, y, num_items_in_batch=torch.tensor(40.0), logit_scale=0.7
+    ),
+    "reduction_none": lambda: FusedLMLoss(reduction="none", chunk_size=16),
+}
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"] if TEST_DEVICE != "cpu" else ["torch"])
+@pytest.mark.parametrize("kind", STEPS)
+def test_fullgraph_matches_eager_without_recompiles(kind, backend_name):
+    step = Step(STEPS[kind]())
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    with fused_lm_loss.use_backend(backend_name):
+        for x, y in _batches(3):
+            out = compiled(x, y)
+            weights = torch.rand(out.shape) if out.dim() else torch.tensor(1.0)  # non-uniform per-token grads
+            (out * weights).sum().backward()
+            got = [p.grad.clone() for p in step.parameters()]
+            step.zero_grad(set_to_none=True)
+            want = step(x, y)
+            (want * weights).sum().backward()
+            assert rel_err(out, want) <= 1e-5
+            for a, p in zip(got, step.parameters()):
+                assert rel_err(a, p.grad) <= 1e-5
+            step.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1  # one graph for all three ignored counts: no recompilation
+    assert torch._dynamo.utils.counters["graph_break"] == {}
+
+
+def test_compiled_backward_keeps_the_scaling_rules():
+    """Compiled backward rescales out of place (retain_graph twice = twice the gradient) and still refuses
+    a non-zero grad_output when the loss was computed with scaling=0."""
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    (x, y), = _batches(1)
+
+    def step(h, w, labels):
+        return fused_linear_cross_entropy(h, w, labels, scaling=8.0)
+
+    loss = torch.compile(step, fullgraph=True)(hidden, weight, y)
+    (loss * 8.0).backward(retain_graph=True)
+    (loss * 8.0).backward()
+    expected, grads = reference_loss(hidden, weight, y)
+    assert rel_err(loss, expected) <= 1e-5
+    assert rel_err(weight.grad, 2 * 8.0 * grads["weight"]) <= 1e-5
+    assert rel_err(hidden.grad, 2 * 8.0 * grads["hidden"]) <= 1e-5
+
+    zero = torch.compile(lambda h, w, labels: fused_linear_cross_entropy(h, w, labels, scaling=0.0), fullgraph=True)
+    with pytest.raises(RuntimeError, match="scaling=0"):
+        zero(hidden, weight, y).backward()
+
+
+def test_patched_llama_compiles_fullgraph(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from .integrations.hf_models import assert_close_grads, grads, make_batch, make_model, twin
+
+    calls = []
+    original = fused_lm_loss.ops.run_chunks
+    monkeypatch.setattr(fused_lm_loss.ops, "run_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = make_model("llama").to(TEST_DEVICE)
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    compiled_ref = torch.compile(ref, fullgraph=True)
+    for seed in range(3):
+        batch = {k: v.to(TEST_DEVICE) for k, v in make_batch(seed=seed).items()}
+        batch["labels"][1, : seed + 1] = -100  # a different ignored count each step
+        out = compiled(**batch)
+        out.loss.backward()
+        want = compiled_ref(**batch)
+        want.loss.backward()
+        assert out.logits is None
+        assert rel_err(out.loss, want.loss) <= 1e-5
+        assert_close_grads(grads(model), grads(ref), tol=1e-5)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1
+    assert len(calls) == 3  # the compiled model ran the fused loss at every step
+    assert transformers is not None
