@@ -23,10 +23,12 @@ in backward. Second-order gradients are not supported: a backward with ``create_
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import distributed
 from .backends import get_backend
@@ -332,7 +334,7 @@ def _(logits, labels, lse, grad_per_token, *options):
 
 
 @torch.library.custom_op("fused_lm_loss::rescale_grads", mutates_args=())
-def rescale_grads(grads: list[Tensor], grad_output: Tensor, scale: Optional[Tensor], scaling: float) -> list[Tensor]:
+def rescale_grads(grads: Sequence[Tensor], grad_output: Tensor, scale: Optional[Tensor], scaling: float) -> List[Tensor]:
     """Each gradient made in forward times grad_output / scaling, as new tensors (compiled backward)."""
     factor = grad_factor(grad_output, _scaling(scale, scaling))
     return [g * factor for g in grads]
@@ -343,9 +345,15 @@ def _(grads, grad_output, scale, scaling):
     return [torch.empty_like(g) for g in grads]
 
 
+def _traced(t: Tensor | None) -> bool:
+    """Whether this runs while torch.compile traces (AOTAutograd traces backward with fake tensors; torch 2.5
+    does not report that through ``torch.compiler.is_compiling``)."""
+    return torch.compiler.is_compiling() or (t is not None and (isinstance(t, FunctionalTensor) or is_fake(t)))
+
+
 def _rescaled(grads: list[Tensor], grad_output: Tensor, scale: Tensor | None, scaling: float) -> list[Tensor]:
     """grad_output / scaling applied out of place; in eager mode a factor of exactly 1.0 returns ``grads``."""
-    if torch.compiler.is_compiling():
+    if _traced(grad_output):
         return rescale_grads(grads, grad_output, scale, scaling)
     factor = grad_factor(grad_output, _scaling(scale, scaling))
     if factor == 1.0:
@@ -353,9 +361,9 @@ def _rescaled(grads: list[Tensor], grad_output: Tensor, scale: Tensor | None, sc
     return [g * factor for g in grads]
 
 
-def _refuse_double_backward() -> None:
+def _refuse_double_backward(grad_output: Tensor | None) -> None:
     # backward runs with grad mode on only for create_graph=True; tracing a compiled backward is not that
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if torch.is_grad_enabled() and not _traced(grad_output):
         raise RuntimeError(
             "fused_lm_loss does not support higher-order gradients: its backward only rescales gradients made in "
             "forward, so a gradient of its gradient would be silently wrong. Call autograd.grad / backward without "
@@ -384,7 +392,7 @@ def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
     backward (retain_graph) never accumulates into them. They are non-differentiable outputs, so this makes
     no reference cycle. Compiled backward always returns new tensors; there they are saved as usual.
     """
-    if torch.compiler.is_compiling():
+    if _traced(grads[0]):
         ctx.save_for_backward(*also_saved, *grads)
         ctx.grads = None
     else:
@@ -393,7 +401,7 @@ def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
 
 
 def _backward_linear(ctx, grad_loss, *unused):
-    _refuse_double_backward()
+    _refuse_double_backward(grad_loss)
     nothing = (None,) * (5 + _OPTION_COUNT)  # labels, num_items, scale, scaling, needs; the options
     if grad_loss is None or not any(ctx.needs):
         return (None,) * 5 + nothing
@@ -425,7 +433,7 @@ def _setup_logits(ctx, inputs, output) -> None:
 
 
 def _backward_logits(ctx, grad_loss, *unused):
-    _refuse_double_backward()
+    _refuse_double_backward(grad_loss)
     nothing = (None,) * 8
     if grad_loss is None or not ctx.need_grad:
         return (None, *nothing)

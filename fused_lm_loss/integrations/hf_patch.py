@@ -26,6 +26,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
+import torch  # noqa: F401  (on torch 2.5, code that torch.compile generates for _FusedForward refers to it)
 from torch import nn
 
 from ..loss import FusedLMLoss
@@ -223,6 +224,11 @@ class _FusedForward:
     def __init__(self, model: nn.Module, inner: Callable) -> None:
         self.model, self.inner = model, inner
         self.__signature__ = inspect.signature(inner)
+        params = self.__signature__.parameters
+        self._names = frozenset(params)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        labels = params.get("labels")
+        self._labels_position = list(params).index("labels") if labels is not None and labels.kind in positional else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -246,14 +252,12 @@ class _FusedForward:
             state.call = None
 
     def _labels(self, args: tuple, kwargs: dict) -> tuple[Any, dict]:
-        """(labels, the **kwargs dict) of a call; labels None when the call does not bind."""
-        try:
-            bound = self.__signature__.bind(*args, **kwargs)
-        except TypeError:
-            return None, {}  # let the model report its own argument error
-        params = self.__signature__.parameters
-        extra = next((v for k, v in bound.arguments.items() if params[k].kind is inspect.Parameter.VAR_KEYWORD), {})
-        return bound.arguments.get("labels", extra.get("labels")), extra
+        """(labels, the keyword arguments the signature does not name) of a call, by name or position.
+        (Read from names taken at construction: torch.compile does not trace ``inspect`` on every version.)"""
+        labels = kwargs.get("labels")
+        if labels is None and self._labels_position is not None and self._labels_position < len(args):
+            labels = args[self._labels_position]
+        return labels, {k: v for k, v in kwargs.items() if k not in self._names}
 
     def _run(self, state: _PatchState, loss_function: Callable, args: tuple, kwargs: dict) -> Any:
         state.forward_loss = loss_function
