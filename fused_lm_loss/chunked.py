@@ -65,6 +65,7 @@ class Rows:
     index: torch.Tensor | None  # positions in the flattened batch; None when no label is ignored
     target: torch.Tensor  # contiguous int64: column in this shard's weight, -1 when the class is elsewhere
     count: int  # number of non-ignored tokens
+    total: int  # number of tokens, ignored ones included
 
     def gather(self, rows_tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if self.index is None:
@@ -81,7 +82,7 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
     rows, their labels and the label range (kernels/kept_rows.py).
     """
     if labels.numel() == 0:
-        return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0)
+        return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0, total=0)
     positions, targets, summary = backend.kept_rows(labels, ignore_index)
     count, lowest, highest = summary.tolist()
     if lowest < 0 or highest >= shard.total:
@@ -92,7 +93,7 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
             f"e.g. {examples}"
         )
     index = None if count == labels.numel() else positions[:count]
-    return Rows(index=index, target=shard.local_target(targets[:count]), count=count)
+    return Rows(index=index, target=shard.local_target(targets[:count]), count=count, total=labels.numel())
 
 
 @dataclass
@@ -216,7 +217,8 @@ class LinearHead:
         self.grad_hidden = _row_grad_buffer(self.hidden, rows, plan.grad_input_dtype) if needs.hidden else None
         self.grad_u = _row_grad_buffer(self.u, rows, plan.grad_input_dtype) if needs.low_rank_input else None
         self.grad_weight = _Accumulator(self.weight.shape, plan.accum_dtype, self.device) if needs.weight else None
-        self.grad_b = _Accumulator(self.b.shape, plan.accum_dtype, self.device) if needs.low_rank_weight else None
+        # B is small (V x r): summed and kept in the wide dtype, so that backward rounds it once
+        self.grad_b = _Accumulator(self.b.shape, plan.kept_dtype, self.device) if needs.low_rank_weight else None
         self.grad_bias = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=self.device) if needs.bias else None
         self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
 
@@ -261,15 +263,14 @@ class LinearHead:
         self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = None
         plan = self.plan
         grad_hidden, grad_u = (
-            None if partial is None else plan.shard.sum_partial_grad(partial).to(plan.matmul_dtype)  # one rounding
-            for partial in (self.grad_hidden, self.grad_u)
+            None if partial is None else plan.shard.sum_partial_grad(partial) for partial in (self.grad_hidden, self.grad_u)
         )
-        return (
+        return (  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)
             grad_hidden,
-            None if self.grad_weight is None else self.grad_weight.result(self.weight.dtype),
-            None if self.grad_bias is None else self.grad_bias.to(self.bias.dtype),
+            None if self.grad_weight is None else self.grad_weight.result(plan.weight_grad_dtype),
+            None if self.grad_bias is None else self.grad_bias.to(plan.kept_dtype),
             grad_u,
-            None if self.grad_b is None else self.grad_b.result(self.b.dtype),
+            None if self.grad_b is None else self.grad_b.result(plan.kept_dtype),
         )
 
 

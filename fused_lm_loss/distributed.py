@@ -127,6 +127,16 @@ class Shard:
                 f"counts per rank: {[(row[4], row[5]) for row in layout]}"
             )
 
+    @staticmethod
+    def chunk_vocab_of(weight: torch.Tensor, opts: LossOptions) -> int:
+        """``Shard.of(weight, ..., opts).chunk_vocab`` without the collective (for fake implementations)."""
+        if opts.process_group is None:
+            return weight.shape[0]
+        import torch.distributed as dist
+
+        world = dist.get_world_size(opts.process_group)
+        return math.ceil((opts.vocab_size or weight.shape[0] * world) / world)
+
     @property
     def chunk_vocab(self) -> int:
         """Vocab width used to size chunks: the same on every rank, so the ranks' collectives line up."""

@@ -31,10 +31,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import distributed
-from .backends import get_backend
+from .backends import backend_name, get_backend
 from .chunked import GivenLogits, LinearHead, label_ids, run_chunks, select_rows
 from .options import LossOptions
-from .plan import GradNeeds, make_plan
+from .plan import GradNeeds, grad_dtypes, make_plan
 
 _NO_GRAD = GradNeeds()
 
@@ -156,14 +156,14 @@ def linear_cross_entropy(
     grad_needs = GradNeeds(*needs)
 
     if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
-        plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None)
+        plan = make_plan(opts, backend, shard, rows, head)
         out = run_chunks(plan, head, rows)
         per_token = _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape)
         lse = _scatter_rows(out.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
         return (per_token, lse, *(_empty(hidden) for _ in range(5)))
 
     denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
-    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+    plan = make_plan(opts, backend, shard, rows, head,
                      needs=grad_needs, grad_scale=scaling / denominator)
     out = run_chunks(plan, head, rows)
     loss = out.loss.sum() / denominator
@@ -184,9 +184,12 @@ def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, la
     return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank), rows, backend, shard
 
 
-def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor) -> Tensor:
-    """A gradient of the chunk loop in its input's shape (contiguous), or (0,) when not asked for."""
-    return _empty(empty_like) if grad is None else grad.view(like.shape)
+def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A gradient of the chunk loop in its input's shape (contiguous; rounded to ``dtype`` if given), or (0,)
+    when not asked for."""
+    if grad is None:
+        return _empty(empty_like)
+    return grad.view(like.shape) if dtype is None else grad.view(like.shape).to(dtype)
 
 
 @linear_cross_entropy.register_fake
@@ -195,7 +198,13 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, 
     loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((labels.numel(),) if reduction == "none" and any(needs) else (0,), dtype=torch.float32)
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    grads = [x.new_empty(x.shape) if need and reduction != "none" else hidden.new_empty((0,)) for need, x in zip(needs, inputs)]
+    opts = _options(*options)
+    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
+                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
+    grads = [
+        x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
+        for need, x, dtype in zip(needs, inputs, dtypes)
+    ]
     return (loss, lse, *grads)
 
 
@@ -236,11 +245,11 @@ def linear_cross_entropy_backward(
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
                     accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
-    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None, needs=GradNeeds(*needs))
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs))
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
     out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return tuple(_shaped_like(g, x, hidden) for g, x in zip(out.grads, inputs))
+    return tuple(_shaped_like(g, x, hidden, x.dtype if x is not None else None) for g, x in zip(out.grads, inputs))
 
 
 @linear_cross_entropy_backward.register_fake
@@ -275,11 +284,11 @@ def logits_cross_entropy(
                        z_loss=z_loss, chunk_size=chunk_size)
     head, rows, backend, shard = _logits_call(opts, logits, labels)
     if reduction == "none":
-        out = run_chunks(make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None), head, rows)
+        out = run_chunks(make_plan(opts, backend, shard, rows, head), head, rows)
         lse = _scatter_rows(out.lse, rows, labels.numel()) if need_grad else _empty(out.loss)
         return _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape), lse, _empty(logits)
     denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
-    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+    plan = make_plan(opts, backend, shard, rows, head,
                      needs=GradNeeds(hidden=need_grad), grad_scale=1.0 / denominator)
     out = run_chunks(plan, head, rows)
     return out.loss.sum() / denominator, _empty(logits), _shaped_like(out.grads[0], logits, logits)
@@ -318,7 +327,7 @@ def logits_cross_entropy_backward(
     opts = LossOptions(ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
                        z_loss=z_loss, chunk_size=chunk_size)
     head, rows, backend, shard = _logits_call(opts, logits, labels)
-    plan = make_plan(opts, backend, shard, rows.count, head, has_index=rows.index is not None,
+    plan = make_plan(opts, backend, shard, rows, head,
                      needs=GradNeeds(hidden=True))
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
     out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
@@ -335,7 +344,8 @@ def _(logits, labels, lse, grad_per_token, *options):
 
 @torch.library.custom_op("fused_lm_loss::rescale_grads", mutates_args=())
 def rescale_grads(grads: Sequence[Tensor], grad_output: Tensor, scale: Optional[Tensor], scaling: float) -> List[Tensor]:
-    """Each gradient made in forward times grad_output / scaling, as new tensors (compiled backward)."""
+    """Each gradient made in forward times grad_output / scaling, as new tensors of its dtype (compiled
+    backward; the caller rounds them to the inputs' dtypes)."""
     factor = grad_factor(grad_output, _scaling(scale, scaling))
     return [g * factor for g in grads]
 
@@ -351,14 +361,16 @@ def _traced(t: Tensor | None) -> bool:
     return torch.compiler.is_compiling() or (t is not None and (isinstance(t, FunctionalTensor) or is_fake(t)))
 
 
-def _rescaled(grads: list[Tensor], grad_output: Tensor, scale: Tensor | None, scaling: float) -> list[Tensor]:
-    """grad_output / scaling applied out of place; in eager mode a factor of exactly 1.0 returns ``grads``."""
+def _rescaled(grads: list[Tensor], dtypes: list[torch.dtype], grad_output: Tensor, scale: Tensor | None,
+              scaling: float) -> list[Tensor]:
+    """grad_output / scaling applied out of place, each result rounded once to its ``dtypes`` entry (the
+    input's dtype); in eager mode a factor of exactly 1.0 returns the gradients kept in that dtype as they are."""
     if _traced(grad_output):
-        return rescale_grads(grads, grad_output, scale, scaling)
+        return [g.to(dtype) for g, dtype in zip(rescale_grads(grads, grad_output, scale, scaling), dtypes)]
     factor = grad_factor(grad_output, _scaling(scale, scaling))
     if factor == 1.0:
-        return grads
-    return [g * factor for g in grads]
+        return [g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, dtypes)]
+    return [torch.mul(g, factor, out=g.new_empty(g.shape, dtype=dtype)) for g, dtype in zip(grads, dtypes)]
 
 
 def _refuse_double_backward(grad_output: Tensor | None) -> None:
@@ -375,6 +387,7 @@ def _setup_linear(ctx, inputs, output) -> None:
     hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, scale, scaling, needs, *options = inputs
     loss, lse, *grads = output
     ctx.needs, ctx.options = tuple(needs), tuple(options)
+    ctx.dtypes = tuple(None if x is None else x.dtype for x in (hidden, weight, bias, low_rank_input, low_rank_weight))
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse, *grads)
     if options[1] == "none":
@@ -411,7 +424,8 @@ def _backward_linear(ctx, grad_loss, *unused):
         saved = ctx.saved_tensors
         scale, grads = saved[0], (saved[1:] if ctx.grads is None else ctx.grads)
         kept = [g for g, need in zip(grads, ctx.needs) if need]
-        rescaled = iter(_rescaled(kept, grad_loss, scale, ctx.scaling))
+        dtypes = [dtype for dtype, need in zip(ctx.dtypes, ctx.needs) if need]
+        rescaled = iter(_rescaled(kept, dtypes, grad_loss, scale, ctx.scaling))
         grads = [next(rescaled) if need else None for need in ctx.needs]
     return (*(g if need else None for g, need in zip(grads, ctx.needs)), *nothing)
 
@@ -440,7 +454,7 @@ def _backward_logits(ctx, grad_loss, *unused):
     if ctx.reduction == "none":
         return (logits_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.options), *nothing)
     (grad,) = ctx.saved_tensors if ctx.grads is None else ctx.grads
-    return (_rescaled([grad], grad_loss, None, 1.0)[0], *nothing)
+    return (_rescaled([grad], [grad.dtype], grad_loss, None, 1.0)[0], *nothing)
 
 
 logits_cross_entropy.register_autograd(_backward_logits, setup_context=_setup_logits)

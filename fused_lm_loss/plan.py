@@ -76,7 +76,9 @@ class Plan:
     matmul_dtype: torch.dtype
     logits_dtype: torch.dtype
     grad_input_dtype: torch.dtype  # dX / du rows: wider than matmul_dtype when they are sums rounded once
-    accum_dtype: torch.dtype  # dW / dB across chunks; the weight's dtype when there is one chunk
+    accum_dtype: torch.dtype  # dW across chunks; the weight's dtype when there is one chunk (unless kept wide)
+    weight_grad_dtype: torch.dtype  # dW as returned: kept wide until backward where the memory allows
+    kept_dtype: torch.dtype  # the small per-vocabulary gradients (db, dB), kept until backward rounds them
     split_grad: bool  # fp32 logits from bf16/fp16 operands: G kept as hi + lo
     # gradient scale: each row's d(loss)/d(logits) is multiplied by grad_scale (times row_scale[i] if given)
     grad_scale: float
@@ -107,55 +109,46 @@ def make_plan(
     opts: LossOptions,
     backend: Backend,
     shard: Shard,
-    n_rows: int,
+    rows,
     head,
     *,
-    has_index: bool,
     needs: GradNeeds = GradNeeds(),
     grad_scale: float = 1.0,
 ) -> Plan:
-    """The plan of one call over ``n_rows`` kept rows (``has_index``: some rows were dropped, so the head
-    gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
+    """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
+    an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
     the device, the matmul dtype, the weight whose gradient is summed over chunks (``vocab_weight``), the
     operands of a statistics-epilogue matmul (``stats_operands``), whether its logits already carry the
     model's softcap / scale (``transformed``), and the bytes its per-chunk row copies take (``row_bytes``).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
+    n_rows, has_index = rows.count, rows.index is not None
     logits_dtype = matmul_dtype if head.transformed else (opts.logits_dtype or matmul_dtype)
     split_grad = needs.any() and logits_dtype != matmul_dtype
-    grad_input_dtype = matmul_dtype
-    if device.type != "cuda" or HAS_OUT_DTYPE_MM:
-        # dX is kept wider than the matmul dtype when it is a sum that should be rounded once: hi + lo terms,
-        # and vocab shards' partials summed across ranks (distributed.py), where the matmul writes that dtype
-        # directly; upcasting W every chunk instead (CUDA, torch < 2.8) would cost more.
-        if split_grad:
-            grad_input_dtype = torch.float32
-        elif shard.group is not None and shard.reduce_grad_input:
-            grad_input_dtype = torch.promote_types(opts.accum_dtype or matmul_dtype, matmul_dtype)
+    grad_input_dtype = row_grad_dtype(opts, device, matmul_dtype)
     weight_dtype = matmul_dtype if weight is None else weight.dtype
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
     stats_in_matmul = not needs.any() and operands is not None and backend.supports_stats_in_matmul(*operands)
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
+    per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
+    keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit)
     if stats_in_matmul:  # chunks bound only the fp32 partials (and the gathered rows)
         bytes_per_row = backend.matmul_partial_bytes_per_row(shard.chunk_vocab) + row_bytes
         max_rows = opts.chunk_size or rows_within(bytes_per_row, LOGITS_BUDGET_BYTES)
     else:
-        per_logit = logits_dtype.itemsize + (2 * matmul_dtype.itemsize if split_grad else 0)
-        if backend.name == "torch":
-            per_logit += TORCH_BACKEND_TEMP_BYTES
         bytes_per_row = shard.chunk_vocab * per_logit + row_bytes
-        wide_dw = needs.weights and weight is not None and accum_dtype != weight_dtype
-        max_rows = max_chunk_rows(
-            n_rows,
-            bytes_per_row,
-            opts.chunk_size,
-            accumulator_bytes=weight.numel() * accum_dtype.itemsize if wide_dw else 0,
-            result_bytes=weight.numel() * weight_dtype.itemsize if wide_dw else 0,
-        )
+        wide_dw = needs.weight and weight is not None and accum_dtype != weight_dtype
+        accumulator_bytes = result_bytes = 0
+        if keep_dw_wide:  # the kept dW holds its extra bytes over the returned dtype: the chunk may take them
+            accumulator_bytes = result_bytes = weight.numel() * (accum_dtype.itemsize - weight_dtype.itemsize)
+        elif wide_dw:
+            accumulator_bytes = weight.numel() * accum_dtype.itemsize
+            result_bytes = weight.numel() * weight_dtype.itemsize
+        max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, accumulator_bytes, result_bytes)
     chunk_rows = split_rows(n_rows, max_rows)
-    if chunk_rows >= n_rows:  # one chunk: each weight gradient is one matmul (fp32 inside), rounded once
+    if chunk_rows >= n_rows and not keep_dw_wide:  # one chunk: dW is one matmul (fp32 inside), rounded once
         accum_dtype = weight_dtype
 
     return Plan(
@@ -173,9 +166,71 @@ def make_plan(
         logits_dtype=logits_dtype,
         grad_input_dtype=grad_input_dtype,
         accum_dtype=accum_dtype,
+        weight_grad_dtype=accum_dtype if keep_dw_wide else weight_dtype,
+        kept_dtype=kept_dtype(opts, matmul_dtype),
         split_grad=split_grad,
         grad_scale=grad_scale,
         overlap_grad_matmuls=device.type == "cuda" and needs.row_inputs and needs.weights,
+    )
+
+
+def kept_dtype(opts: LossOptions, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient made in forward is kept in until backward, which applies grad_output / scaling
+    and rounds it once to ``dtype``: ``accum_dtype`` where it is wider (fp32 by default)."""
+    return torch.promote_types(opts.accum_dtype or dtype, dtype)
+
+
+def row_grad_dtype(opts: LossOptions, device: torch.device, matmul_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the per-token gradients (dX, du) made in forward: kept wide (``kept_dtype``; fp32 for the
+    hi + lo sum of fp32 logits) where the matmul writes it directly, so that backward rounds them once
+    whatever grad_output is (and vocab shards' partials are summed before that rounding). On CUDA with
+    torch < 2.8 (no fp32 output from bf16 operands) the matmul dtype: upcasting W every chunk costs more."""
+    if device.type == "cuda" and not HAS_OUT_DTYPE_MM:
+        return matmul_dtype
+    if opts.logits_dtype not in (None, matmul_dtype):
+        return torch.float32
+    return kept_dtype(opts, matmul_dtype)
+
+
+def bytes_per_logit(backend_name: str, logits_dtype: torch.dtype, matmul_dtype: torch.dtype, split_grad: bool) -> int:
+    """Chunk bytes per logit: the logits (then G in place; or G as hi + lo beside fp32 logits), and on the
+    PyTorch backend its fp32 temporaries."""
+    per_logit = logits_dtype.itemsize + (2 * matmul_dtype.itemsize if split_grad else 0)
+    return per_logit + (TORCH_BACKEND_TEMP_BYTES if backend_name == "torch" else 0)
+
+
+def keeps_weight_grad_wide(
+    opts: LossOptions, backend_name: str, n_tokens: int, chunk_vocab: int, weight: torch.Tensor, per_logit: int
+) -> bool:
+    """Whether dW is kept in ``accum_dtype`` until backward (rounded once there, whatever grad_output is).
+
+    Decided from shapes alone (the operator's output dtype must not depend on the data): yes when all
+    ``n_tokens`` rows, ignored or not, fit in one chunk within LOGITS_BUDGET_BYTES plus what the wide dW
+    costs over the weight's dtype. A larger batch keeps the weight's dtype, so that one chunk may still use
+    the accumulator's memory (a single dW matmul, rounded once: exact when grad_output / scaling is 1).
+    """
+    wide = kept_dtype(opts, weight.dtype)
+    extra = weight.numel() * (wide.itemsize - weight.dtype.itemsize)
+    return extra > 0 and n_tokens * chunk_vocab * per_logit <= LOGITS_BUDGET_BYTES + extra
+
+
+def grad_dtypes(opts: LossOptions, device: torch.device, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, low_rank_weight: torch.Tensor | None, n_tokens: int,
+                chunk_vocab: int, backend_name: str) -> tuple:
+    """dtypes of (d hidden, d weight, d bias, d u, d B) as the operator returns them (its fake implementation
+    reads them here too): each kept wide until backward rounds it once, dW where the memory allows
+    (``keeps_weight_grad_wide``)."""
+    rows = row_grad_dtype(opts, device, hidden.dtype)
+    logits_dtype = opts.logits_dtype or hidden.dtype
+    split_grad = logits_dtype != hidden.dtype
+    per_logit = bytes_per_logit(backend_name, logits_dtype, hidden.dtype, split_grad)
+    keep_dw_wide = keeps_weight_grad_wide(opts, backend_name, n_tokens, chunk_vocab, weight, per_logit)
+    return (
+        rows,
+        kept_dtype(opts, weight.dtype) if keep_dw_wide else weight.dtype,
+        None if bias is None else kept_dtype(opts, bias.dtype),
+        rows,
+        None if low_rank_weight is None else kept_dtype(opts, low_rank_weight.dtype),
     )
 
 

@@ -251,22 +251,33 @@ def test_max_chunk_rows_spends_what_the_accumulator_pays_for(monkeypatch):
     assert plan.max_chunk_rows(500, 100, 7, accumulator_bytes=2000, result_bytes=1000) == 7
 
 
-@pytest.mark.parametrize("one_chunk", [False, True])
-def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, one_chunk):
-    """bf16 weights, fp32 dW accumulation: one chunk writes dW directly in bf16 (a single matmul, nothing
-    to accumulate); several chunks get the returned dW's bytes besides the budget and accumulate in fp32."""
-    n, h, v = 100, 16, 48
+REGIMES = ["small_batch", "one_chunk_takes_the_accumulator", "several_chunks"]
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, regime):
+    """bf16 weights, fp32 dW accumulation, three regimes of the budget:
+    - the whole batch fits in the budget plus what an fp32 dW costs over bf16: one chunk writes dW in fp32,
+      kept until backward rounds it once;
+    - one chunk fits only with the accumulator's bytes: it writes dW directly in bf16 (a single matmul);
+    - several chunks get the returned dW's bytes besides the budget and accumulate in fp32."""
+    n, h, v = 100, 16, 480
     hidden, weight, labels, bias = make_inputs(n, h, v, dtype=torch.bfloat16, bias=True, seed=3)
     for t in (hidden, weight, bias):
         t.requires_grad_(True)
     n_rows = int((labels != -100).sum())
     assert n_rows < n  # some rows ignored: each chunk row also holds a gathered h row and a dX row
-    temporaries = plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0  # the torch backend's fp32 copies
-    bytes_per_row = v * (2 + temporaries) + h * 2 + h * 2
-    accumulator_rows, result_rows = v * h * 4 / bytes_per_row, v * h * 2 / bytes_per_row
-    budget_rows = n_rows - max(1, int(accumulator_rows) // 2) if one_chunk else 10
-    assert (n_rows <= budget_rows + accumulator_rows) == one_chunk
-    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget_rows * bytes_per_row)
+    per_logit = 2 + (plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0)  # + the torch backend's fp32 copies
+    bytes_per_row = v * per_logit + h * 2 + h * 4  # logits, a gathered bf16 h row, an fp32 dX row
+    accumulator, result = v * h * 4, v * h * 2
+    budget = {
+        "small_batch": n * v * per_logit,
+        "one_chunk_takes_the_accumulator": n_rows * bytes_per_row - accumulator // 2,
+        "several_chunks": 10 * bytes_per_row,
+    }[regime]
+    wide_kept = n * v * per_logit <= budget + (accumulator - result)
+    assert wide_kept == (regime == "small_batch")
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget)
     chunk_rows, accumulated = [], []
     original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
 
@@ -281,12 +292,15 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, one_chunk
     monkeypatch.setattr(chunked, "_logits_into", spy_logits)
     monkeypatch.setattr(chunked._Accumulator, "add", spy_add)
     loss = FusedLMLoss()(hidden, weight, labels, bias)
+    assert loss.grad_fn.grads[1].dtype == (torch.float32 if wide_kept else torch.bfloat16)
     loss.backward()
-    if one_chunk:
+    if regime == "small_batch":
+        assert chunk_rows == [n_rows] and accumulated == [torch.float32]
+    elif regime == "one_chunk_takes_the_accumulator":
         assert chunk_rows == [n_rows] and accumulated == [torch.bfloat16]
     else:
-        expected_rows = plan.split_rows(n_rows, int(budget_rows + result_rows))
-        assert expected_rows > budget_rows and len(chunk_rows) >= 2
+        expected_rows = plan.split_rows(n_rows, plan.rows_within(bytes_per_row, budget + result))
+        assert expected_rows > 10 and len(chunk_rows) >= 2
         assert chunk_rows[:-1] == [expected_rows] * (len(chunk_rows) - 1)
         assert set(accumulated) == {torch.float32}
     assert weight.grad.dtype == torch.bfloat16
