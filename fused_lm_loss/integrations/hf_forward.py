@@ -57,7 +57,11 @@ class FusedCall:
         return self.probe
 
     def loss_function(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs: Any) -> torch.Tensor:
-        """Stands in for ``model.loss_function`` during the forward: returns the fused loss."""
+        """Stands in for ``model.loss_function`` during the forward: returns (a copy of) the fused loss.
+
+        The probe the model passes is kept for the check in ``finish`` and then filled with NaN: a forward that
+        reads its logits after this (Bamba's z-loss) gets a NaN loss, which ``finish`` turns into an error.
+        """
         name = type(self.model).__name__
         if self.loss is None:
             raise RuntimeError(f"fused_lm_loss: {name} called loss_function before its lm_head; not supported")
@@ -72,55 +76,80 @@ class FusedCall:
             )
         if not isinstance(logits, torch.Tensor) or logits.shape != self.probe.shape:
             raise RuntimeError(f"fused_lm_loss: {name} reshapes or replaces its logits before the loss; not supported")
-        self.logits = logits
-        # The check reads the probe's values, so it runs as an operator: under torch.compile it stays in the graph
-        return probe_checked_loss(self.loss, logits, self.opts.logit_scale, self.opts.softcap, name)
+        self.logits, self.transformed_probe = logits, logits.detach().clone()
+        with torch.no_grad():
+            logits.fill_(float("nan"))
+        return self.loss * 1.0  # a new tensor: the model may add to it in place (MoE aux losses)
 
     def finish(self, outputs: Any) -> Any:
-        """Check the forward went through lm_head and loss_function; drop the probe logits."""
+        """Check the forward went through lm_head and loss_function and did to the probe exactly what the
+        fused loss's logit_scale / softcap do, and nothing after; drop the probe logits."""
         name = type(self.model).__name__
-        if self.loss is None:  # a path that never projects (e.g. TRL's own fused head): nothing was replaced
+        if self.loss is None:  # a path that never projects: nothing was replaced
             return outputs
         if self.logits is None:
             raise RuntimeError(
                 f"fused_lm_loss: {name}.forward did not pass its logits to self.loss_function; not supported"
             )
         if isinstance(outputs, tuple):
-            return tuple(o for o in outputs if o is not self.logits)
+            loss, *rest = outputs
+            return (self._checked(loss), *(o for o in rest if o is not self.logits))
         from transformers.utils import ModelOutput
 
         if isinstance(outputs, ModelOutput):
             fields = {k: v for k, v in outputs.items() if v is not self.logits}
+            fields["loss"] = self._checked(fields["loss"])
             return type(outputs)(**fields)
         raise RuntimeError(f"fused_lm_loss: {name}.forward returned a {type(outputs).__name__}; not supported")
+
+    def _checked(self, loss: torch.Tensor) -> torch.Tensor:
+        # The checks read tensor values, so they run as an operator: under torch.compile it stays in the graph.
+        return checked_model_loss(
+            loss, self.loss, self.transformed_probe, self.opts.logit_scale, self.opts.softcap, type(self.model).__name__
+        )
 
 
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
-@torch.library.custom_op("fused_lm_loss::probe_checked_loss", mutates_args=())
-def probe_checked_loss(
-    loss: torch.Tensor, probe_logits: torch.Tensor, logit_scale: float, softcap: Optional[float], model_name: str
+@torch.library.custom_op("fused_lm_loss::checked_model_loss", mutates_args=())
+def checked_model_loss(
+    model_loss: torch.Tensor,
+    fused_loss: torch.Tensor,
+    transformed_probe: torch.Tensor,
+    logit_scale: float,
+    softcap: Optional[float],
+    model_name: str,
 ) -> torch.Tensor:
-    """``loss`` (a copy), after checking that the model's ops between lm_head and the loss turned the probe
-    into exactly what the fused loss's logit_scale / softcap make of it."""
-    expected = torch.tensor(_PROBE_VALUES, dtype=torch.float32, device=probe_logits.device) * logit_scale
+    """``model_loss`` (a copy) after two checks of a patched training forward: the model's ops between lm_head
+    and the loss made of the probe exactly what logit_scale / softcap make of it, and the model's loss is not
+    NaN where the fused loss is finite (it read its NaN-filled logits after loss_function)."""
+    expected = torch.tensor(_PROBE_VALUES, dtype=torch.float32, device=transformed_probe.device) * logit_scale
     if softcap is not None:
         expected = torch.tanh(expected / softcap) * softcap
-    rtol = max(4 * torch.finfo(probe_logits.dtype).eps, 1e-5)
-    if not torch.allclose(probe_logits.float(), expected.expand(probe_logits.shape), rtol=rtol, atol=0.0):
+    rtol = max(4 * torch.finfo(transformed_probe.dtype).eps, 1e-5)
+    observed = transformed_probe.reshape(-1, len(_PROBE_VALUES)).float()
+    if not torch.allclose(observed, expected.expand_as(observed), rtol=rtol, atol=0.0):
         raise RuntimeError(
             f"fused_lm_loss: {model_name} transforms its lm_head output in a way that logit_scale={logit_scale}, "
-            f"softcap={softcap} (read from its config) does not reproduce; this model is not supported by patch()"
+            f"softcap={softcap} (read from its config) does not reproduce: the probe {list(_PROBE_VALUES)} became "
+            f"{[round(v, 4) for v in observed[0].tolist()]}, not {[round(v, 4) for v in expected.tolist()]}; this "
+            "model is not supported by patch()"
         )
-    return loss.clone()
+    if torch.isfinite(fused_loss).all() and not torch.isfinite(model_loss).all():
+        raise RuntimeError(
+            f"fused_lm_loss: {model_name}'s loss is not finite where the fused loss is: its forward uses its logits "
+            "after self.loss_function (a patched model never computes them), or an auxiliary loss is not finite; "
+            "this model is not supported by patch()"
+        )
+    return model_loss.clone()
 
 
-@probe_checked_loss.register_fake
-def _(loss, probe_logits, logit_scale, softcap, model_name):
-    return torch.empty_like(loss)
+@checked_model_loss.register_fake
+def _(model_loss, fused_loss, transformed_probe, logit_scale, softcap, model_name):
+    return torch.empty_like(model_loss)
 
 
-probe_checked_loss.register_autograd(
-    lambda ctx, grad: (grad, None, None, None, None), setup_context=lambda ctx, inputs, output: None
+checked_model_loss.register_autograd(
+    lambda ctx, grad: (grad, None, None, None, None, None), setup_context=lambda ctx, inputs, output: None
 )

@@ -32,7 +32,7 @@ from torch import nn
 from ..loss import FusedLMLoss
 from ..options import LossOptions
 from . import peft as peft_integration
-from .hf_config import model_options
+from .hf_config import model_options, unsupported
 from .hf_forward import FusedCall
 from .hf_loss import causal_lm_loss
 
@@ -315,6 +315,15 @@ def _check_structure(model: nn.Module) -> None:
             f"fused_lm_loss.patch: {name}.forward does not compute its loss with self.loss_function, so the "
             "fused loss cannot replace it (supported: forwards of the form decoder -> lm_head -> loss_function)"
         )
+    default_loss = type(model).loss_function.fget(model) if "_loss_function" not in vars(model) else None
+    if default_loss is not None and getattr(default_loss, "__name__", "") != "ForCausalLMLoss":
+        raise TypeError(
+            f"fused_lm_loss.patch: {name}'s loss is {getattr(default_loss, '__name__', default_loss)} "
+            f"(loss_type={getattr(model, 'loss_type', None)!r}); the fused loss computes transformers' ForCausalLMLoss"
+        )
+    reason = unsupported(model)
+    if reason is not None:
+        raise TypeError(f"fused_lm_loss.patch: {name} is not supported: {reason}")
     peft_integration.check_head(head)
 
 
