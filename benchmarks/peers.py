@@ -122,21 +122,19 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
     """The loss of TRL's fused head (``_fused_forward`` of add_fused_lm_head, SFT: temperature 1) on hidden
     states (..., H) and labels (...) that are already shifted.
 
-    As TRL does: on Triton devices (CUDA) only the rows that carry a loss go to the kernel ("compact"), else
-    every row with its label clamped at 0; per-token log-probs are scattered back (0 where ignored), and
-    loss = -sum(log_probs) / max(count, 1).
+    As TRL does: on Triton devices (CUDA) only the rows that carry a loss go to the kernel ("compact":
+    ``hidden[mask]``), else every row with its label clamped at 0; the per-token log-probs are scattered
+    back (0 where ignored), and loss = -sum(log_probs) / max(count, 1).
     """
     fn = module.ChunkedLogProbFunction
     use_triton = getattr(module, "_use_triton", lambda device: device.type == "cuda")
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
     mask = labels != -100
     compact = use_triton(hidden.device)
     per_token = fn.apply(
-        hidden[mask] if compact else hidden,
+        hidden[mask] if compact else hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
-        labels[mask] if compact else labels.clamp(min=0),
+        labels[mask] if compact else labels.clamp(min=0).reshape(-1),
         1.0,
         TRL_CHUNK_SIZE,
         softcap,
@@ -147,5 +145,5 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
     if compact:
         log_probs = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
     else:
-        log_probs = log_probs.masked_fill(~mask, 0)
+        log_probs = log_probs.view(mask.shape).masked_fill(~mask, 0)
     return -log_probs.sum() / mask.sum().clamp(min=1)
