@@ -321,7 +321,9 @@ def main():
     }
     impls = implementations(env)
     print(json.dumps(env))
-    shapes = ["llama3-8b"] if args.quick else (args.shapes or ("tiny" if args.cpu else GPU_SHAPES)).split(",")
+    shapes = (args.shapes or ("tiny" if args.cpu else GPU_SHAPES)).split(",")
+    if args.quick:
+        shapes = ["tiny" if args.cpu else "llama3-8b"]
     rows = []
 
     def record(**row):
