@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lm_loss.py --out results/            # everything (H200: ~5 min)
     python benchmarks/bench_lm_loss.py --quick                     # Llama-3-8B shape only
+    python benchmarks/bench_lm_loss.py --cpu                       # dry run on CPU: a tiny shape, every row once
 
 For each shape (N tokens, H hidden, V vocab; bf16) and scenario it times forward+backward (median of
 CUDA-event timings after warm-up, L2 flushed before each run) and measures the peak memory beyond
@@ -10,18 +11,28 @@ the inputs and the gradient tensors, for:
                (forward-only: the first; frozen head: the first two)
   fused        fused_lm_loss (default options: bf16 logits, fp32 dW accumulator)
   fused_bf16acc, fused_fp32logits   the accum_dtype=None and logits_dtype=float32 variants
-  fused_1stream  default options with dX and dW on one CUDA stream (main scenario only)
+  fused_compiled torch.compile(fullgraph=True) of a step calling FusedLMLoss() (main scenario only; the compile
+               is warmed up outside the timing). Its backward always multiplies the saved gradients by
+               grad_output / scaling (an operator may not return its inputs), where eager, for a factor
+               of exactly 1, returns them as they are (only rounding those kept wide): this row is what that
+               costs
   eager        F.cross_entropy((x @ W.T).float(), y)
   torch_chunked  F.linear_cross_entropy(..., options=LinearCrossEntropyOptions()) where torch has it
   liger        LigerFusedLinearCrossEntropyLoss, when importable
   cce          cut_cross_entropy.linear_cross_entropy, when importable
+  trl_head     TRL's fused LM head kernel (trl.kernels.chunked_logprob.ChunkedLogProbFunction), called as
+               add_fused_lm_head does for SFT (on CUDA only the non-ignored rows, log-probs only; loss =
+               -sum(log_probs) / count), when importable (benchmarks/peers.py)
 Accuracy: relative error (L2 norm) of loss, dX and dW against a float64 computation of the same inputs.
 Data: logits std ~4 with labels sampled from the model's own softmax ("realistic"), or near-uniform
 logits; a fraction of labels set to -100.
+--cpu: the same code on CPU tensors at a tiny shape (perf_counter timing, no memory numbers), to check that
+every row runs before spending GPU time; the fused rows then use the library's default CPU backend.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -35,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import peers  # noqa: E402  (benchmarks/peers.py)
 from fused_lm_loss import FusedLMLoss  # noqa: E402
 
 SHAPES = {
@@ -43,22 +55,25 @@ SHAPES = {
     "gemma2-2b": (8192, 2304, 256000),
     "qwen2.5-0.5b": (8192, 896, 151936),
     "llama3-8b-32k": (32768, 4096, 128256),
+    "tiny": (512, 64, 1000),  # --cpu
 }
+GPU_SHAPES = "llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b"
 GiB = 2.0**30
+DEVICE = "cuda"  # --cpu: "cpu"
 
 
 # ----------------------------------------------------------------------------- inputs and references
 def make_inputs(n, h, v, *, dtype, realistic=True, ignore_frac=0.1, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.float32)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(n, h, device=DEVICE, generator=gen, dtype=torch.float32)
     std = 4.0 if realistic else 0.05
-    w = torch.randn(v, h, device="cuda", generator=gen, dtype=torch.float32) * (std / math.sqrt(h))
+    w = torch.randn(v, h, device=DEVICE, generator=gen, dtype=torch.float32) * (std / math.sqrt(h))
     x, w = x.to(dtype), w.to(dtype)
-    labels = torch.empty(n, dtype=torch.long, device="cuda")
+    labels = torch.empty(n, dtype=torch.long, device=DEVICE)
     for s in range(0, n, 1024):  # labels ~ softmax(logits), chunked to stay small
         logits = (x[s : s + 1024].float() @ w.float().T)
         labels[s : s + 1024] = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(1)
-    labels[torch.rand(n, device="cuda", generator=gen) < ignore_frac] = -100
+    labels[torch.rand(n, device=DEVICE, generator=gen) < ignore_frac] = -100
     return x, w, labels
 
 
@@ -99,15 +114,23 @@ def impl_fused(**options):
     return run
 
 
-def impl_fused_one_stream(x, w, y, scaling):
-    """Default options with G @ W and G.T @ h on the same stream (A/B of chunked.OVERLAP_GRAD_MATMULS)."""
-    from fused_lm_loss import chunked
+def impl_fused_compiled():
+    """torch.compile(fullgraph=True) of ``step(x, w, y) = FusedLMLoss()(x, w, y)``, one compiled step per
+    gradient scale (a constant of the graph); dynamo recompiles per shape and grad mode, outside the timing
+    (``measure`` calls the step once first)."""
+    loss_fn = FusedLMLoss()
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):  # 5 shapes x 2 dtypes must not fall back to eager
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
 
-    chunked.OVERLAP_GRAD_MATMULS = False
-    try:
-        return FusedLMLoss()(x, w, y, scaling=scaling)
-    finally:
-        chunked.OVERLAP_GRAD_MATMULS = True
+    @functools.lru_cache(maxsize=None)
+    def compiled(scaling):
+        def step(x, w, y):
+            return loss_fn(x, w, y, scaling=scaling)
+
+        return torch.compile(step, fullgraph=True, dynamic=False)
+
+    return lambda x, w, y, scaling: compiled(scaling)(x, w, y)
 
 
 def impl_eager(x, w, y, scaling):
@@ -118,34 +141,49 @@ def impl_torch_chunked(x, w, y, scaling):
     return F.linear_cross_entropy(x, w, y, ignore_index=-100, options=torch.nn.LinearCrossEntropyOptions())
 
 
-def load_peers():
-    peers = {}
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-        peers["liger"] = lambda x, w, y, scaling: liger(w, x, y)
-    except Exception as e:  # noqa: BLE001 - any import failure means "not installed here"
-        print(f"liger unavailable: {e!r}")
-    try:
-        from cut_cross_entropy import linear_cross_entropy as cce
-
-        peers["cce"] = lambda x, w, y, scaling: cce(x, w, y, ignore_index=-100)
-    except Exception as e:  # noqa: BLE001
-        print(f"cce unavailable: {e!r}")
-    return peers
+def peer_liger():
+    loss = peers.liger_loss()
+    return lambda x, w, y, scaling: loss(w, x, y)
 
 
-def implementations(include_variants=True):
+def peer_cce():
+    cce = peers.cce_loss()
+    return lambda x, w, y, scaling: cce(x, w, y, ignore_index=-100)
+
+
+def peer_trl_head():
+    module = peers.trl_kernel()
+    return lambda x, w, y, scaling: peers.trl_sft_loss(module, x, w, y)
+
+
+#: peer name -> (its distribution, a loader returning impl(x, w, y, scaling)); each optional
+PEERS = {"liger": ("liger-kernel", peer_liger), "cce": ("cut-cross-entropy", peer_cce), "trl_head": ("trl", peer_trl_head)}
+
+
+def load_peers(env):
+    """The importable peers; their versions into ``env``."""
+    found = {}
+    for name, (dist, load) in PEERS.items():
+        try:
+            found[name] = load()
+            env[name] = peers.version(dist)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not installed here"
+            print(f"{name} unavailable: {type(e).__name__}: {str(e)[:300]}")
+    if "trl_head" in found:
+        env["trl_import"] = peers.trl_how()
+    return found
+
+
+def implementations(env, include_variants=True):
     impls = {"fused": impl_fused()}
     if include_variants:
         impls["fused_bf16acc"] = impl_fused(accum_dtype=None)
         impls["fused_fp32logits"] = impl_fused(logits_dtype=torch.float32)
-        impls["fused_1stream"] = impl_fused_one_stream
+    impls["fused_compiled"] = impl_fused_compiled()
     impls["eager"] = impl_eager
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         impls["torch_chunked"] = impl_torch_chunked
-    impls.update(load_peers())
+    impls.update(load_peers(env))
     return impls
 
 
@@ -155,25 +193,40 @@ _flush = None
 
 def flush_l2():
     global _flush
+    if DEVICE != "cuda":
+        return
     if _flush is None:
         _flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     _flush.zero_()
 
 
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_cuda(fn, *, budget_ms=1500.0, min_runs=5, max_runs=40, warmup=2):
+    """(median ms, all ms) of ``fn`` by CUDA events, L2 flushed before each run; on CPU by perf_counter."""
+    if DEVICE != "cuda":
+        min_runs, warmup = 1, 0
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     t_start = time.perf_counter()
     while len(times) < max_runs:
         flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
         if len(times) >= min_runs and (time.perf_counter() - t_start) * 1e3 > budget_ms:
             break
     return statistics.median(times), times
@@ -181,7 +234,7 @@ def time_cuda(fn, *, budget_ms=1500.0, min_runs=5, max_runs=40, warmup=2):
 
 def floor_fn(x, w, mode):
     """The matmuls a fused loss cannot avoid, on the full batch, in the input dtype."""
-    g = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
+    g = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
 
     def run():
         torch.mm(x, w.T)
@@ -209,13 +262,15 @@ def step_fn(impl, x, w, y, mode, scaling):
 
 
 def measure(impl, x, w, y, mode, scaling=1.0, budget_ms=1500.0):
-    """(median ms, extra peak GiB beyond inputs + gradients)."""
+    """(median ms, extra peak GiB beyond inputs + gradients; None on CPU)."""
     x.requires_grad_(mode == "train" or mode == "frozen_head")
     w.requires_grad_(mode == "train")
     fn = step_fn(impl, x, w, y, mode, scaling)
     fn()  # compile / autotune outside the measurements
-    torch.cuda.synchronize()
+    sync()
     x.grad = w.grad = None
+    if DEVICE != "cuda":  # no allocator statistics on CPU
+        return time_cuda(fn, budget_ms=budget_ms)[0], None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -244,30 +299,31 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--quick", action="store_true", help="Llama-3-8B shape, main scenario only")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--sweep", action="store_true", help="also sweep chunk sizes and kernel launch shapes")
+    parser.add_argument("--shapes", default=None, help=f"comma-separated, of {','.join(SHAPES)} (default: "
+                        f"{GPU_SHAPES}; --cpu: tiny)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep chunk sizes, accumulator dtypes, fp32 logits")
     parser.add_argument("--main-only", action="store_true", help="only the main scenario (realistic, 10%% ignored, train)")
     parser.add_argument("--peers-main-only", action="store_true", help="time eager and the peers in the main scenario only")
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="timing budget per measurement")
+    parser.add_argument("--cpu", action="store_true", help="dry run on CPU tensors (default shape: tiny)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = "cpu" if args.cpu else "cuda"
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    props = torch.cuda.get_device_properties(0)
     env = {
         "date": time.strftime("%Y-%m-%d"),
-        "gpu": props.name,
+        "gpu": torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else f"CPU ({platform.machine()})",
         "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "triton": peers.version("triton"),
         "python": platform.python_version(),
         "cuda": torch.version.cuda,
     }
+    impls = implementations(env)
     print(json.dumps(env))
-    impls = implementations()
-    for name in list(impls):
-        if name in ("liger", "cce"):
-            mod = __import__({"liger": "liger_kernel", "cce": "cut_cross_entropy"}[name])
-            env[name] = getattr(mod, "__version__", "installed")
-    shapes = ["llama3-8b"] if args.quick else args.shapes.split(",")
+    shapes = (args.shapes or ("tiny" if args.cpu else GPU_SHAPES)).split(",")
+    if args.quick:
+        shapes = ["tiny" if args.cpu else "llama3-8b"]
     rows = []
 
     def record(**row):
@@ -303,7 +359,7 @@ def main():
             if dtype == torch.float16 and not args.quick:
                 ref = float64_reference(x, w, y)
             for name, impl in impls.items():
-                if not main_case and name == "fused_1stream":
+                if not main_case and name == "fused_compiled":  # one compile per shape: main scenario only
                     continue
                 if not main_case and name in ("fused_bf16acc", "fused_fp32logits") and dtype != torch.float16:
                     if not (name == "fused_bf16acc" and mode == "train"):
@@ -328,9 +384,7 @@ def main():
 
 
 def sweep(shape, record):
-    """Chunk sizes, accumulator dtypes, fp32 logits, and the two-stream overlap; main scenario only."""
-    from fused_lm_loss import chunked
-
+    """Chunk sizes, accumulator dtypes and fp32 logits (public options); main scenario only."""
     n, h, v = SHAPES[shape]
     x, w, y = make_inputs(n, h, v, dtype=torch.bfloat16)
     run, g = floor_fn(x, w, "train")
@@ -347,20 +401,17 @@ def sweep(shape, record):
             point(f"fused chunk={chunk} accum={accum}", chunk_size=chunk, accum_dtype=accum)
     for chunk in (1024, 2048):
         point(f"fused_fp32logits chunk={chunk}", chunk_size=chunk, logits_dtype=torch.float32)
-    chunked.OVERLAP_GRAD_MATMULS = False
-    point("fused no-overlap")
-    chunked.OVERLAP_GRAD_MATMULS = True
 
 
 def write_table(rows, env, out):
     lines = [
         f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']}"
-        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce") if k in env),
+        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce", "trl_head") if k in env),
         "",
         "| shape | data | ignored | mode | dtype | impl | ms | × floor | extra GiB | err loss | err dX | err dW |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    fmt = lambda r, k, f: (f.format(r[k]) if k in r else "")  # noqa: E731
+    fmt = lambda r, k, f: (f.format(r[k]) if r.get(k) is not None else "")  # noqa: E731
     for r in rows:
         if "error" in r:
             cells = [r["shape"], r["data"], f"{r['ignore']:.0%}", r["mode"], r["dtype"], r["impl"], r["error"][:60]]
@@ -386,7 +437,7 @@ def plot(rows, out):
     except ImportError:
         return
     main = [r for r in rows if r.get("mode") == "train" and r.get("data") == "realistic" and r.get("ignore") == 0.1
-            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep") and r["impl"] != "fused_1stream"]
+            and r.get("dtype") == "bfloat16" and "ratio" in r and not r.get("sweep")]
     shapes = list(dict.fromkeys(r["shape"] for r in main))
     impls = list(dict.fromkeys(r["impl"] for r in main))
     fig, ax = plt.subplots(figsize=(11, 4.5))
