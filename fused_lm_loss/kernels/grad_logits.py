@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import scale_args
 from .softcap import tanh
 
 
@@ -51,6 +52,7 @@ def _grad_logits_kernel(
     n_cols,
     grad_scale,
     logit_scale,
+    u_per_x,
     softcap,
     smoothing_per_class,
     target_weight,
@@ -68,10 +70,11 @@ def _grad_logits_kernel(
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
     lse = tl.load(lse_ptr + row)
-    z = x * logit_scale
     if HAS_SOFTCAP:
-        capped = tanh(z / softcap)
+        capped = tanh(x * u_per_x)  # u_per_x = logit_scale / softcap
         z = softcap * capped
+    else:
+        z = x * logit_scale
     grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
     grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
     grad = grad * (scale * logit_scale)
@@ -102,6 +105,7 @@ def grad_logits(
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
     assert out_lo is None or out_lo.stride() == out.stride()
+    logit_scale, u_per_x, softcap_arg = scale_args(logit_scale, softcap)
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
         logits,
@@ -114,8 +118,9 @@ def grad_logits(
         row_scale if row_scale is not None else lse,
         n_cols,
         float(grad_scale),
-        float(logit_scale),
-        float(softcap or 1.0),
+        logit_scale,
+        u_per_x,
+        softcap_arg,
         float(label_smoothing) / vocab_size,
         1.0 - float(label_smoothing),
         float(z_loss),

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .softcap import apply_softcap
+from .args import scale_args
+from .softcap import softcap_scaled
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -57,6 +58,7 @@ def _matmul_stats_kernel(
     n_cols,
     hidden_size,
     logit_scale,
+    u_per_x,
     softcap,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -96,10 +98,10 @@ def _matmul_stats_kernel(
             z = z.to(tl.bfloat16).to(tl.float32)
         if ROUND_TO_FP16:
             z = z.to(tl.float16).to(tl.float32)
-        if HAS_SCALE:
+        if HAS_SOFTCAP:  # the scale folded into u_per_x = logit_scale / softcap
+            z = softcap_scaled(z, u_per_x, softcap)
+        elif HAS_SCALE:
             z = z * logit_scale
-        if HAS_SOFTCAP:
-            z = apply_softcap(z, softcap)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - tile_n * BLOCK_N
         has_target = row_ok & (target >= 0) & (target < BLOCK_N)
         if tl.sum(has_target.to(tl.int32), axis=0) > 0:
@@ -167,8 +169,7 @@ def matmul_partials(
         rows,
         vocab,
         hidden_size,
-        float(logit_scale),
-        float(softcap or 1.0),
+        *scale_args(logit_scale, softcap),
         HAS_BIAS=bias is not None,
         HAS_SCALE=logit_scale != 1.0,
         ROUND_TO_BF16=logits_dtype == torch.bfloat16,

@@ -4,7 +4,7 @@ For each row ``i`` of the raw logits chunk ``x`` (the matmul output, any float d
 forms the loss-space logits in fp32::
 
     z_ij = logit_scale * x_ij                                  (no softcap)
-    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap)
+    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap; kernels/softcap.py)
 
 and, in one pass over the row with an online softmax, writes four fp32 numbers::
 
@@ -34,12 +34,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .softcap import apply_softcap
+from .args import scale_args
+from .softcap import softcap_scaled
+
+
+@triton.jit
+def loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """fp32 loss-space logits z of raw fp32 logits x (u_per_x = logit_scale / softcap)."""
+    if HAS_SOFTCAP:
+        z = softcap_scaled(x, u_per_x, softcap)
+    else:
+        z = x * logit_scale
+    return z
 
 
 @triton.jit
 def online_row_stats(
-    row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr
+    row_ptr,
+    n_cols,
+    logit_scale,
+    u_per_x,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_SUM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row."""
     offsets = tl.arange(0, BLOCK_V)
@@ -49,9 +67,8 @@ def online_row_stats(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + offsets
         mask = cols < n_cols
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-        if HAS_SOFTCAP:
-            z = apply_softcap(z, softcap)
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
         if NEED_SUM:
             running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
@@ -62,13 +79,11 @@ def online_row_stats(
 
 
 @triton.jit
-def target_logit(row_ptr, target, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def target_logit(row_ptr, target, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
     """z_i,t of the row (0 when target < 0, i.e. the class lives in another vocab shard)."""
     has_target = target >= 0
-    z = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32) * logit_scale
-    if HAS_SOFTCAP:
-        z = apply_softcap(z, softcap)
-    return tl.where(has_target, z, 0.0)
+    x = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32)
+    return tl.where(has_target, loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP), 0.0)
 
 
 #: Columns per program; 16384 bf16 values = 32 KiB per row segment.
@@ -84,6 +99,7 @@ def _segment_stats_kernel(
     n_rows,
     n_cols,
     logit_scale,
+    u_per_x,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
@@ -101,6 +117,7 @@ def _segment_stats_kernel(
         row_ptr + first_col,
         tl.minimum(n_cols - first_col, SEGMENT_COLS),
         logit_scale,
+        u_per_x,
         softcap,
         HAS_SOFTCAP,
         NEED_SUM,
@@ -111,7 +128,7 @@ def _segment_stats_kernel(
     tl.store(out + n_segments * n_rows, seg_sumexp)
     tl.store(out + 3 * n_segments * n_rows, seg_sum)
     if segment == 0:
-        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, u_per_x, softcap, HAS_SOFTCAP)
         tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
@@ -179,8 +196,7 @@ def _segment_partials(
         out,
         rows,
         n_cols,
-        float(logit_scale),
-        float(softcap or 1.0),
+        *scale_args(logit_scale, softcap),
         HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
         SEGMENT_COLS=SEGMENT_COLS,
