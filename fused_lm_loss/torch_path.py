@@ -38,7 +38,10 @@ def row_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     z, _ = _loss_space(logits, logit_scale, softcap)
     row_max = z.amax(dim=1)
-    row_sumexp = torch.exp(z - row_max[:, None]).sum(dim=1)
+    # A row of -inf only: exponents relative to 0, not to its -inf max (-inf - -inf = NaN), so sum-exp 0 and
+    # lse = -inf, as torch.logsumexp (and as the kernels: a vocab shard that is all -inf merges as nothing).
+    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    row_sumexp = torch.exp(z - shift[:, None]).sum(dim=1)
     has_target = target >= 0
     target_logit = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
     target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))

@@ -19,6 +19,9 @@ hi = round(g), lo = round(g - hi): ~16 significant bits, so the backward matmuls
 accumulation) see G almost as exactly as fp32, at tensor-core speed. The output may alias the input
 (in-place: each element is read, then written, by the same program), which is how the chunk loop
 reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row offsets are int64.
+
+-inf logits need no special case here: p = exp(-inf - lse) = 0, and with softcap tanh(-inf) = -1 exactly,
+so dz/dx = 0, as autograd gives. A row whose lse is -inf (all its logits -inf) gets NaN, as in PyTorch.
 """
 from __future__ import annotations
 

@@ -116,7 +116,10 @@ def _matmul_stats_kernel(
         elif NEED_SUM:
             tl.store(out + 3 * stat_stride, tl.sum(z, axis=1), mask=row_ok)
         tile_max = tl.max(z, axis=1)
-        tile_sumexp = tl.sum(tl.exp2(z * LOG2E - (tile_max * LOG2E)[:, None]), axis=1)
+        # A row whose tile is all -inf (e.g. a -inf bias) subtracts 0, not -inf (-inf - -inf = NaN): sum-exp 0.
+        # One select per row of the tile, nothing per element.
+        shift = tl.where(tile_max == float("-inf"), 0.0, tile_max) * LOG2E
+        tile_sumexp = tl.sum(tl.exp2(z * LOG2E - shift[:, None]), axis=1)
         tl.store(out, tile_max, mask=row_ok)
         tl.store(out + stat_stride, tile_sumexp, mask=row_ok)
 

@@ -26,6 +26,11 @@ When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``r
 merge kernel write the row's loss and lse directly (formula in ``merge_partials``), instead of the four
 statistics. ``matmul_stats.py`` writes the same partials from the logits matmul's epilogue.
 
+-inf logits (a masked vocabulary range, a -inf bias) give what PyTorch gives: a segment, or a block of the
+online loop, that is all -inf has max -inf and sum-exp 0 (it subtracts 0 instead of its -inf max, so no
+-inf - -inf = NaN), and merges as nothing; a row that is all -inf has lse = -inf and loss NaN, as
+F.cross_entropy; a -inf target logit gives loss +inf, and label smoothing over any -inf logit +inf.
+
 Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
@@ -59,7 +64,8 @@ def online_row_stats(
     NEED_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row."""
+    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row.
+    All -inf so far: max -inf, sum-exp 0."""
     offsets = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
     running_sumexp = 0.0
@@ -73,7 +79,10 @@ def online_row_stats(
             running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        running_sumexp = running_sumexp * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        # While the row is all -inf, exponents are taken relative to 0, not to the -inf max (-inf - -inf = NaN):
+        # the sum stays 0. A scalar select per block, nothing per element.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sumexp = running_sumexp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
         running_max = new_max
     return running_max, running_sumexp, running_sum
 
@@ -150,7 +159,9 @@ def _merge_segments_kernel(
 ):
     """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
     (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
-    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online."""
+    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online.
+    Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
+    sum-exp 0, lse -inf."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     stat_stride = n_segments * n_rows
@@ -164,7 +175,7 @@ def _merge_segments_kernel(
         seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
         seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
         new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows past the end: no -inf - -inf
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
         row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
         row_max = new_max
         if HAS_SUM:
