@@ -22,6 +22,7 @@ reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row o
 
 -inf logits need no special case here: p = exp(-inf - lse) = 0, and with softcap tanh(-inf) = -1 exactly,
 so dz/dx = 0, as autograd gives. A row whose lse is -inf (all its logits -inf) gets NaN, as in PyTorch.
+Float scalars are cast to fp32 first (torch.compile passes Python floats as fp64).
 """
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ def _grad_logits_kernel(
     SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    grad_scale = tl.cast(grad_scale, tl.float32)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
+    target_weight = tl.cast(target_weight, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols

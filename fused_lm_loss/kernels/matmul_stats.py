@@ -71,6 +71,9 @@ def _matmul_stats_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     k_steps = tl.cdiv(hidden_size, BLOCK_K)

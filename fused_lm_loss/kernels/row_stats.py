@@ -31,6 +31,9 @@ online loop, that is all -inf has max -inf and sum-exp 0 (it subtracts 0 instead
 -inf - -inf = NaN), and merges as nothing; a row that is all -inf has lse = -inf and loss NaN, as
 F.cross_entropy; a -inf target logit gives loss +inf, and label smoothing over any -inf logit +inf.
 
+Float scalars are cast to fp32 at the top of each kernel: torch.compile passes Python floats as fp64,
+and all math must stay fp32 (and loop-carried types fixed) however they arrive.
+
 Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
@@ -117,6 +120,9 @@ def _segment_stats_kernel(
 ):
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
     axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -162,6 +168,9 @@ def _merge_segments_kernel(
     row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online.
     Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
     sum-exp 0, lse -inf."""
+    smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
+    target_weight = tl.cast(target_weight, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     stat_stride = n_segments * n_rows
