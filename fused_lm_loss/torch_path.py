@@ -11,8 +11,11 @@ import torch
 
 def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, targets, summary = (count, min, max) of the kept labels); see kernels/kept_rows.py."""
+    # Compared as int64, as the kernel does: a narrower tensor compared with a Python int would wrap the int
+    # into its dtype (uint8 labels != -100 is False for the label 156; int32 labels != 2**40 for 0).
+    labels = labels.long()
     positions = torch.nonzero(labels != ignore_index).squeeze(1)
-    targets = labels[positions].long()
+    targets = labels[positions]
     if positions.numel() == 0:
         return positions, targets, torch.zeros(3, dtype=torch.int64, device=labels.device)
     lowest, highest = torch.aminmax(targets)

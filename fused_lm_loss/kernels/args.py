@@ -1,5 +1,7 @@
-"""Host-side helpers of the kernel launchers: the scalars the kernels take."""
+"""Host-side helpers of the kernel launchers: the scalars the kernels take, and cheap checks of their tensors."""
 from __future__ import annotations
+
+import torch
 
 
 def scale_args(logit_scale: float, softcap: float | None) -> tuple[float, float, float]:
@@ -12,3 +14,23 @@ def scale_args(logit_scale: float, softcap: float | None) -> tuple[float, float,
     softcap = float(softcap)
     return logit_scale, logit_scale / softcap, softcap
 
+
+def check_target(target: torch.Tensor, rows: int, device: torch.device, caller: str) -> None:
+    """The chunk loop passes each chunk's targets as a contiguous (rows,) int64 tensor on the logits' device;
+    a kernel would read anything else as garbage (or out of bounds), so refuse it here."""
+    if not (
+        isinstance(target, torch.Tensor)
+        and target.dtype == torch.int64
+        and target.dim() == 1
+        and target.shape[0] == rows
+        and target.is_contiguous()
+        and target.device == device
+    ):
+        described = (
+            f"dtype={target.dtype}, shape={tuple(target.shape)}, stride={target.stride()}, device={target.device}"
+            if isinstance(target, torch.Tensor)
+            else type(target).__name__
+        )
+        raise ValueError(
+            f"{caller}: target must be a contiguous 1-d int64 tensor of {rows} rows on {device}, got {described}"
+        )

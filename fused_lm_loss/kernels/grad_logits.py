@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import scale_args
+from .args import check_target, scale_args
 from .softcap import tanh
 
 
@@ -112,6 +112,7 @@ def grad_logits(
     """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself),
     and the rounding residual into ``out_lo`` when given."""
     rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "grad_logits")
     if rows == 0:
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import scale_args
+from .args import check_target, scale_args
 from .softcap import softcap_scaled
 
 try:
@@ -160,6 +160,7 @@ def matmul_partials(
     """
     rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
+    check_target(target, rows, hidden.device, "matmul_partials")
     tiles_n = triton.cdiv(vocab, BLOCK_N)
     partial = torch.empty((4, tiles_n, rows), dtype=torch.float32, device=hidden.device)
     if rows == 0:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import scale_args
+from .args import check_target, scale_args
 from .softcap import softcap_scaled
 
 
@@ -235,6 +235,7 @@ def row_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "row_stats")
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
@@ -262,6 +263,7 @@ def row_losses(
     """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
     the segment partials, then ``merge_partials``."""
     rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "row_losses")
     if rows == 0:
         return
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
