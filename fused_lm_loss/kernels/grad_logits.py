@@ -33,6 +33,9 @@ import triton.language as tl
 from .args import check_target, scale_args
 from .softcap import tanh
 
+# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def store_grad(grad_ptr, grad_lo_ptr, offsets, grad, mask, SPLIT: tl.constexpr):
@@ -86,7 +89,7 @@ def _grad_logits_kernel(
         z = softcap * capped
     else:
         z = x * logit_scale
-    grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+    grad = tl.exp2((z - lse) * LOG2E) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
     grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
     grad = grad * (scale * logit_scale)
     if HAS_SOFTCAP:
@@ -140,5 +143,5 @@ def grad_logits(
         PER_ROW_SCALE=row_scale is not None,
         SPLIT=out_lo is not None,
         BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
+        num_warps=4 if softcap is not None or block_v < 2048 else 8,  # softcap: 4 warps 10% faster (NOTES.md)
     )

@@ -45,6 +45,9 @@ import triton.language as tl
 from .args import check_target, scale_args
 from .softcap import softcap_scaled
 
+# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -85,7 +88,7 @@ def online_row_stats(
         # While the row is all -inf, exponents are taken relative to 0, not to the -inf max (-inf - -inf = NaN):
         # the sum stays 0. A scalar select per block, nothing per element.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sumexp = running_sumexp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        running_sumexp = running_sumexp * tl.exp(running_max - shift) + tl.sum(tl.exp2((z - shift) * LOG2E), axis=0)
         running_max = new_max
     return running_max, running_sumexp, running_sum
 
@@ -221,7 +224,9 @@ def _segment_partials(
         NEED_SUM=need_sum,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
-        num_warps=2,  # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7)
+        # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7); with softcap (more ALU work
+        # and registers per element) 4 warps: 9% faster than 2 (NOTES.md, kernels-robust)
+        num_warps=4 if softcap is not None else 2,
     )
 
 

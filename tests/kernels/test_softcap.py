@@ -140,5 +140,5 @@ def test_softcap_gradient_at_fp32_roundoff(rows, vocab, std):
         grad_fn(x, got_grad, target, got_lse, grad_scale=1.0, row_scale=None, vocab_size=vocab, **options)
         errors[name] = (rel_err(got_loss, loss), rel_err(got_lse, lse), rel_err(got_grad, grad))
     for name, (loss_err, lse_err, grad_err) in errors.items():
-        assert loss_err < 1.5e-7 and lse_err < 1.5e-7 and grad_err < 3e-7, (name, errors)
+        assert loss_err < 3e-7 and lse_err < 3e-7 and grad_err < 3e-7, (name, errors)  # ~5 ulps
     assert errors["triton"][2] < 2 * errors["torch"][2], errors
