@@ -24,8 +24,11 @@ merge_partials = matmul_partial_bytes_per_row = matmul_partials
 
 def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, targets, summary = (count, min, max) of the kept labels); see kernels/kept_rows.py."""
+    # Compared as int64, as the kernel does: a narrower tensor compared with a Python int would wrap the int
+    # into its dtype (uint8 labels != -100 is False for the label 156; int32 labels != 2**40 for 0).
+    labels = labels.long()
     positions = torch.nonzero(labels != ignore_index).squeeze(1)
-    targets = labels[positions].long()
+    targets = labels[positions]
     if positions.numel() == 0:
         return positions, targets, torch.zeros(3, dtype=torch.int64, device=labels.device)
     lowest, highest = torch.aminmax(targets)
@@ -51,7 +54,10 @@ def row_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     z, _ = _loss_space(logits, logit_scale, softcap)
     row_max = z.amax(dim=1)
-    row_sumexp = torch.exp(z - row_max[:, None]).sum(dim=1)
+    # A row of -inf only: exponents relative to 0, not to its -inf max (-inf - -inf = NaN), so sum-exp 0 and
+    # lse = -inf, as torch.logsumexp (and as the kernels: a vocab shard that is all -inf merges as nothing).
+    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    row_sumexp = torch.exp(z - shift[:, None]).sum(dim=1)
     has_target = target >= 0
     target_logit = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
     target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .softcap import apply_softcap
+from .args import check_target
+from .softcap import scalar_quotient, softcap_scaled
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -69,6 +70,9 @@ def _matmul_stats_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    u_per_x = scalar_quotient(logit_scale, softcap)  # used with softcap only
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     k_steps = tl.cdiv(hidden_size, BLOCK_K)
@@ -96,10 +100,10 @@ def _matmul_stats_kernel(
             z = z.to(tl.bfloat16).to(tl.float32)
         if ROUND_TO_FP16:
             z = z.to(tl.float16).to(tl.float32)
-        if HAS_SCALE:
+        if HAS_SOFTCAP:  # the scale folded into u_per_x = logit_scale / softcap
+            z = softcap_scaled(z, u_per_x, softcap)
+        elif HAS_SCALE:
             z = z * logit_scale
-        if HAS_SOFTCAP:
-            z = apply_softcap(z, softcap)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - tile_n * BLOCK_N
         has_target = row_ok & (target >= 0) & (target < BLOCK_N)
         if tl.sum(has_target.to(tl.int32), axis=0) > 0:
@@ -114,7 +118,10 @@ def _matmul_stats_kernel(
         elif NEED_SUM:
             tl.store(out + 3 * stat_stride, tl.sum(z, axis=1), mask=row_ok)
         tile_max = tl.max(z, axis=1)
-        tile_sumexp = tl.sum(tl.exp2(z * LOG2E - (tile_max * LOG2E)[:, None]), axis=1)
+        # A row whose tile is all -inf (e.g. a -inf bias) subtracts 0, not -inf (-inf - -inf = NaN): sum-exp 0.
+        # One select per row of the tile, nothing per element.
+        shift = tl.where(tile_max == float("-inf"), 0.0, tile_max) * LOG2E
+        tile_sumexp = tl.sum(tl.exp2(z * LOG2E - shift[:, None]), axis=1)
         tl.store(out, tile_max, mask=row_ok)
         tl.store(out + stat_stride, tile_sumexp, mask=row_ok)
 
@@ -152,6 +159,7 @@ def matmul_partials(
     """
     rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
+    check_target(target, rows, hidden.device, "matmul_partials")
     tiles_n = triton.cdiv(vocab, BLOCK_N)
     partial = torch.empty((4, tiles_n, rows), dtype=torch.float32, device=hidden.device)
     if rows == 0:

@@ -4,7 +4,7 @@ For each row ``i`` of the raw logits chunk ``x`` (the matmul output, any float d
 forms the loss-space logits in fp32::
 
     z_ij = logit_scale * x_ij                                  (no softcap)
-    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap)
+    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap; kernels/softcap.py)
 
 and, in one pass over the row with an online softmax, writes four fp32 numbers::
 
@@ -26,6 +26,14 @@ When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``r
 merge kernel write the row's loss and lse directly (formula in ``merge_partials``), instead of the four
 statistics. ``matmul_stats.py`` writes the same partials from the logits matmul's epilogue.
 
+-inf logits (a masked vocabulary range, a -inf bias) give what PyTorch gives: a segment, or a block of the
+online loop, that is all -inf has max -inf and sum-exp 0 (it subtracts 0 instead of its -inf max, so no
+-inf - -inf = NaN), and merges as nothing; a row that is all -inf has lse = -inf and loss NaN, as
+F.cross_entropy; a -inf target logit gives loss +inf, and label smoothing over any -inf logit +inf.
+
+Float scalars are cast to fp32 at the top of each kernel: torch.compile passes Python floats as fp64,
+and all math must stay fp32 (and loop-carried types fixed) however they arrive.
+
 Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
@@ -34,14 +42,36 @@ import torch
 import triton
 import triton.language as tl
 
-from .softcap import apply_softcap
+from .args import check_target
+from .softcap import scalar_quotient, softcap_scaled
+
+# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """fp32 loss-space logits z of raw fp32 logits x (u_per_x = logit_scale / softcap)."""
+    if HAS_SOFTCAP:
+        z = softcap_scaled(x, u_per_x, softcap)
+    else:
+        z = x * logit_scale
+    return z
 
 
 @triton.jit
 def online_row_stats(
-    row_ptr, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr
+    row_ptr,
+    n_cols,
+    logit_scale,
+    u_per_x,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_SUM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row."""
+    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row.
+    All -inf so far: max -inf, sum-exp 0."""
     offsets = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
     running_sumexp = 0.0
@@ -49,26 +79,26 @@ def online_row_stats(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + offsets
         mask = cols < n_cols
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-        if HAS_SOFTCAP:
-            z = apply_softcap(z, softcap)
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
         if NEED_SUM:
             running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        running_sumexp = running_sumexp * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        # While the row is all -inf, exponents are taken relative to 0, not to the -inf max (-inf - -inf = NaN):
+        # the sum stays 0. A scalar select per block, nothing per element.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sumexp = running_sumexp * tl.exp(running_max - shift) + tl.sum(tl.exp2((z - shift) * LOG2E), axis=0)
         running_max = new_max
     return running_max, running_sumexp, running_sum
 
 
 @triton.jit
-def target_logit(row_ptr, target, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def target_logit(row_ptr, target, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
     """z_i,t of the row (0 when target < 0, i.e. the class lives in another vocab shard)."""
     has_target = target >= 0
-    z = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32) * logit_scale
-    if HAS_SOFTCAP:
-        z = apply_softcap(z, softcap)
-    return tl.where(has_target, z, 0.0)
+    x = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32)
+    return tl.where(has_target, loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP), 0.0)
 
 
 #: Columns per program; 16384 bf16 values = 32 KiB per row segment.
@@ -92,6 +122,9 @@ def _segment_stats_kernel(
 ):
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
     axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    u_per_x = scalar_quotient(logit_scale, softcap)  # used with softcap only
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -101,6 +134,7 @@ def _segment_stats_kernel(
         row_ptr + first_col,
         tl.minimum(n_cols - first_col, SEGMENT_COLS),
         logit_scale,
+        u_per_x,
         softcap,
         HAS_SOFTCAP,
         NEED_SUM,
@@ -111,7 +145,7 @@ def _segment_stats_kernel(
     tl.store(out + n_segments * n_rows, seg_sumexp)
     tl.store(out + 3 * n_segments * n_rows, seg_sum)
     if segment == 0:
-        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, softcap, HAS_SOFTCAP)
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, u_per_x, softcap, HAS_SOFTCAP)
         tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
@@ -133,7 +167,12 @@ def _merge_segments_kernel(
 ):
     """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
     (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
-    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online."""
+    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online.
+    Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
+    sum-exp 0, lse -inf."""
+    smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
+    target_weight = tl.cast(target_weight, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     stat_stride = n_segments * n_rows
@@ -147,7 +186,7 @@ def _merge_segments_kernel(
         seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
         seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
         new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows past the end: no -inf - -inf
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
         row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
         row_max = new_max
         if HAS_SUM:
@@ -185,7 +224,9 @@ def _segment_partials(
         NEED_SUM=need_sum,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
-        num_warps=2,  # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7)
+        # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7); with softcap (more ALU work
+        # and registers per element) 4 warps: 9% faster than 2 (NOTES.md, kernels-robust)
+        num_warps=4 if softcap is not None else 2,
     )
 
 
@@ -199,6 +240,7 @@ def row_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
     rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "row_stats")
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
@@ -226,6 +268,7 @@ def row_losses(
     """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
     the segment partials, then ``merge_partials``."""
     rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "row_losses")
     if rows == 0:
         return
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)

@@ -1,18 +1,67 @@
-"""Triton helper shared by the kernels: the softcap transform z -> c * tanh(z / c).
+"""Triton helpers shared by the kernels: tanh to fp32 round-off, and the softcap z -> c * tanh(z / c).
 
-tanh is written with exp so that it works on every Triton version and in the interpreter:
-tanh(u) = 1 - 2 / (exp(2u) + 1), exact at both saturations (exp -> inf gives 1, exp -> 0 gives -1).
-Its absolute error near u = 0 is ~1e-7, i.e. ~c * 1e-7 on the capped logit, far below bf16 logit rounding.
+``tanh(u)`` has two branches, both computed (they are cheap) and one selected per element:
+
+- ``|u| < TANH_SMALL``: the odd polynomial ``u + u * s * P(s)``, ``s = u*u``, ``P`` of degree 4. Its
+  coefficients were fitted here in float64 (minimax of the relative error on (0, TANH_SMALL], by
+  Lawson's iteration; ``tests/kernels/test_softcap.py`` refits them and checks that these are that fit).
+  The fit's relative error is 4.4e-9; evaluated in fp32 the branch is within 0.70 ulp of tanh.
+- ``|u| >= TANH_SMALL``: ``1 - 2 / (exp(2|u|) + 1)``. At the branch point 2 / (exp(2|u|) + 1) = 0.45, so
+  the error of exp and of the division reaches tanh damped (by 0.8 at the branch point, e^(-2|u|) beyond):
+  1.5 ulps with exactly rounded exp and division (the interpreter), 1.8 ulps measured on the H200 (ex2.approx,
+  div.full; a dense grid, tests/kernels/test_softcap.py). exp(2|u|) = inf gives exactly 1 (so +-inf gives +-1, and the softcap maps -inf to -c); NaN
+  stays NaN.
+
+The polynomial is odd in ``u``; the exp branch takes |u| and its sign back by a select. (tanh(-0.0) comes
+out +0.0, which no loss, lse or gradient can tell from -0.0.) Written this way the matmul epilogue
+(kernels/matmul_stats.py) fits its 128 x 256 tile in registers; copying the sign bit with integer ops at the
+end made it spill (336 bytes of stack at sm90). The former one-formula ``1 - 2 / (exp(2u) + 1)`` had an
+absolute error of ~6e-8 near 0, i.e. a relative error up to ~1e-5 (2e7 ulps) for small |u|, and up to 7
+ulps elsewhere on the H200.
+
+The softcap of a scaled raw logit, ``softcap * tanh(logit_scale * x / softcap)``, takes ``tanh(x * u_per_x)``
+with ``u_per_x = logit_scale / softcap`` divided once per program (``scalar_quotient``, rounded as IEEE
+division): one multiply per element instead of a multiply and a division (div.full.f32 on NVIDIA), and one
+rounding of the argument instead of two. The kernels keep their signatures (``benchmarks/profile_chunk.py``
+launches them directly).
 """
 import triton
 import triton.language as tl
 
+TANH_SMALL = tl.constexpr(0.625)
+TWO_LOG2E = tl.constexpr(2.8853900817779268)  # 2 / ln 2: exp(2a) = exp2(a * TWO_LOG2E)
+# tanh(u) ~ u + u^3 * (P0 + P1 s + P2 s^2 + P3 s^3 + P4 s^4), s = u^2, on |u| < TANH_SMALL (fitted, see above)
+P0 = tl.constexpr(-0.3333328194185074)
+P1 = tl.constexpr(0.13331442193643328)
+P2 = tl.constexpr(-0.05373971469048181)
+P3 = tl.constexpr(0.020639085894853963)
+P4 = tl.constexpr(-0.0057049854167131745)
+
 
 @triton.jit
 def tanh(u):
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    """tanh of fp32 ``u``, within a few fp32 ulps (relative) everywhere, exact at +-inf, NaN for NaN."""
+    # Odd polynomial in u itself (no sign to restore); Horner with explicit FMAs, so that the accuracy above
+    # does not depend on the compiler's FP contraction.
+    s = u * u
+    poly = tl.fma(s, tl.fma(s, tl.fma(s, tl.fma(s, P4, P3), P2), P1), P0)
+    small = tl.fma(u * s, poly, u)
+    a = tl.abs(u)
+    big = 1.0 - 2.0 / (tl.exp2(a * TWO_LOG2E) + 1.0)
+    big = tl.where(u < 0.0, -big, big)
+    return tl.where(a < TANH_SMALL, small, big)  # NaN: big, which is NaN
 
 
 @triton.jit
-def apply_softcap(z, softcap):
-    return softcap * tanh(z / softcap)
+def scalar_quotient(a, b):
+    """a / b of fp32 scalars, rounded as IEEE division: NVIDIA's ``/`` (div.full.f32) is within 2 ulps, and one
+    step on the exact residual a - q * b corrects it. Scalar work, once per program."""
+    q = a / b
+    return tl.fma(tl.fma(-q, b, a), 1.0 / b, q)
+
+
+@triton.jit
+def softcap_scaled(x, u_per_x, softcap):
+    """softcap * tanh(logit_scale * x / softcap) of raw logits x, with u_per_x = scalar_quotient(logit_scale,
+    softcap)."""
+    return softcap * tanh(x * u_per_x)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fused_lm_loss import torch_backend as torch_path
+from fused_lm_loss import torch_backend
 
 from ..reference import rel_err
 
@@ -35,7 +35,7 @@ def test_grad_logits_against_float64(dtype, softcap, per_row):
     options = dict(logit_scale=0.8, softcap=softcap, smoothing=0.15, vocab_total=vocab, z_loss=1e-2)
     row_scale = torch.rand(rows) + 0.5 if per_row else torch.full((rows,), 1.0)
     want, lse = _expected(logits, target, row_scale * 3.0, **options)
-    for impl in (grad_logits, torch_path.grad_logits):
+    for impl in (grad_logits, torch_backend.grad_logits):
         out = torch.full_like(logits, float("nan"))  # poisoned: every element must be written
         impl(
             logits,
@@ -65,7 +65,7 @@ def test_grad_logits_in_place_and_target_elsewhere():
     kwargs = dict(
         grad_scale=0.5, row_scale=None, logit_scale=1.0, softcap=None, label_smoothing=0.0, vocab_size=100, z_loss=0.0
     )
-    torch_path.grad_logits(logits, expected, target, lse, **kwargs)
+    torch_backend.grad_logits(logits, expected, target, lse, **kwargs)
     grad_logits(logits, logits, target, lse, **kwargs)
     assert rel_err(logits, expected) < 1e-6
     assert rel_err(logits[[1, 3]], 0.5 * softmax[[1, 3]]) < 1e-6  # no "- 1" anywhere in those rows
@@ -80,11 +80,11 @@ def test_split_output_carries_the_rounding_residual(dtype):
     lse = torch.logsumexp(logits, 1)
     options = dict(logit_scale=1.0, softcap=None, label_smoothing=0.1, vocab_size=1000, z_loss=0.0)
     exact = torch.empty_like(logits)
-    torch_path.grad_logits(logits, exact, target, lse, grad_scale=1.0, row_scale=None, **options)
+    torch_backend.grad_logits(logits, exact, target, lse, grad_scale=1.0, row_scale=None, **options)
     hi, lo = torch.empty(6, 1000, dtype=dtype), torch.empty(6, 1000, dtype=dtype)
     for run in (
         lambda: grad_logits(logits, hi, target, lse, grad_scale=1.0, row_scale=None, out_lo=lo, **options),
-        lambda: torch_path.grad_logits(logits, hi, target, lse, grad_scale=1.0, row_scale=None, out_lo=lo, **options),
+        lambda: torch_backend.grad_logits(logits, hi, target, lse, grad_scale=1.0, row_scale=None, out_lo=lo, **options),
     ):
         hi.fill_(float("nan"))
         lo.fill_(float("nan"))

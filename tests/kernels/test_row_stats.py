@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fused_lm_loss import torch_backend as torch_path
+from fused_lm_loss import torch_backend
 
 from ..reference import rel_err
 
@@ -40,7 +40,7 @@ def test_row_stats_against_float64(dtype, vocab, softcap, segment_cols, monkeypa
         "target": torch.where(target >= 0, z.gather(1, target.clamp(min=0)[:, None]).squeeze(1), 0.0),
         "sum": z.sum(1),
     }
-    for impl in (row_stats, torch_path.row_stats):
+    for impl in (row_stats, torch_backend.row_stats):
         got = impl(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=True)
         for (name, want), have in zip(expected.items(), got):
             assert have.dtype == torch.float32
@@ -53,7 +53,7 @@ def test_row_stats_respects_row_stride():
     view = buffer[:, :50]
     target = torch.randint(0, 50, (6,))
     got = row_stats(view, target, logit_scale=1.0, softcap=None, need_sum=False)
-    want = torch_path.row_stats(view.contiguous(), target, logit_scale=1.0, softcap=None, need_sum=False)
+    want = torch_backend.row_stats(view.contiguous(), target, logit_scale=1.0, softcap=None, need_sum=False)
     for a, b in zip(got[:3], want[:3]):
         assert rel_err(a, b) < 1e-6
 
@@ -85,7 +85,7 @@ def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, seg
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     expected, lse = _row_losses_float64(z, target, label_smoothing, z_loss)
-    for impl in (row_losses, torch_path.row_losses):
+    for impl in (row_losses, torch_backend.row_losses):
         loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
         impl(logits, target, loss, lse_out, logit_scale=logit_scale, softcap=softcap,
              label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
