@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target
-from .softcap import scalar_quotient, tanh
+from .args import check_target, scale_args
+from .softcap import tanh
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -59,6 +59,7 @@ def _grad_logits_kernel(
     n_cols,
     grad_scale,
     logit_scale,
+    u_per_x,
     softcap,
     smoothing_per_class,
     target_weight,
@@ -70,6 +71,7 @@ def _grad_logits_kernel(
 ):
     grad_scale = tl.cast(grad_scale, tl.float32)
     logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
     target_weight = tl.cast(target_weight, tl.float32)
@@ -83,7 +85,7 @@ def _grad_logits_kernel(
         scale = scale * tl.load(row_scale_ptr + row)
     lse = tl.load(lse_ptr + row)
     if HAS_SOFTCAP:
-        capped = tanh(x * scalar_quotient(logit_scale, softcap))
+        capped = tanh(x * u_per_x)  # u_per_x = logit_scale / softcap
         z = softcap * capped
     else:
         z = x * logit_scale
@@ -118,6 +120,7 @@ def grad_logits(
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
     assert out_lo is None or out_lo.stride() == out.stride()
+    logit_scale, u_per_x, softcap_arg = scale_args(logit_scale, softcap)
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
         logits,
@@ -130,8 +133,9 @@ def grad_logits(
         row_scale if row_scale is not None else lse,
         n_cols,
         float(grad_scale),
-        float(logit_scale),
-        float(softcap or 1.0),
+        logit_scale,
+        u_per_x,
+        softcap_arg,
         float(label_smoothing) / vocab_size,
         1.0 - float(label_smoothing),
         float(z_loss),

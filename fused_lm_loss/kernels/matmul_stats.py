@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target
-from .softcap import scalar_quotient, softcap_scaled
+from .args import check_target, scale_args
+from .softcap import softcap_scaled
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -58,6 +58,7 @@ def _matmul_stats_kernel(
     n_cols,
     hidden_size,
     logit_scale,
+    u_per_x,
     softcap,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -71,8 +72,8 @@ def _matmul_stats_kernel(
     NUM_PROGRAMS: tl.constexpr,
 ):
     logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
-    u_per_x = scalar_quotient(logit_scale, softcap)  # used with softcap only
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     k_steps = tl.cdiv(hidden_size, BLOCK_K)
@@ -175,8 +176,7 @@ def matmul_partials(
         rows,
         vocab,
         hidden_size,
-        float(logit_scale),
-        float(softcap or 1.0),
+        *scale_args(logit_scale, softcap),
         HAS_BIAS=bias is not None,
         HAS_SCALE=logit_scale != 1.0,
         ROUND_TO_BF16=logits_dtype == torch.bfloat16,

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target
-from .softcap import scalar_quotient, softcap_scaled
+from .args import check_target, scale_args
+from .softcap import softcap_scaled
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -114,6 +114,7 @@ def _segment_stats_kernel(
     n_rows,
     n_cols,
     logit_scale,
+    u_per_x,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
@@ -123,8 +124,8 @@ def _segment_stats_kernel(
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
     axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
     logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
-    u_per_x = scalar_quotient(logit_scale, softcap)  # used with softcap only
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -218,8 +219,7 @@ def _segment_partials(
         out,
         rows,
         n_cols,
-        float(logit_scale),
-        float(softcap or 1.0),
+        *scale_args(logit_scale, softcap),
         HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
         SEGMENT_COLS=SEGMENT_COLS,

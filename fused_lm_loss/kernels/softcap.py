@@ -20,10 +20,8 @@ absolute error of ~6e-8 near 0, i.e. a relative error up to ~1e-5 (2e7 ulps) for
 ulps elsewhere on the H200.
 
 The softcap of a scaled raw logit, ``softcap * tanh(logit_scale * x / softcap)``, takes ``tanh(x * u_per_x)``
-with ``u_per_x = logit_scale / softcap`` divided once per program (``scalar_quotient``, rounded as IEEE
-division): one multiply per element instead of a multiply and a division (div.full.f32 on NVIDIA), and one
-rounding of the argument instead of two. The kernels keep their signatures (``benchmarks/profile_chunk.py``
-launches them directly).
+with ``u_per_x = logit_scale / softcap`` divided once on the host: one multiply per element instead of a
+multiply and a division (div.full.f32 on NVIDIA), and one rounding of the argument instead of two.
 """
 import triton
 import triton.language as tl
@@ -53,15 +51,7 @@ def tanh(u):
 
 
 @triton.jit
-def scalar_quotient(a, b):
-    """a / b of fp32 scalars, rounded as IEEE division: NVIDIA's ``/`` (div.full.f32) is within 2 ulps, and one
-    step on the exact residual a - q * b corrects it. Scalar work, once per program."""
-    q = a / b
-    return tl.fma(tl.fma(-q, b, a), 1.0 / b, q)
-
-
-@triton.jit
 def softcap_scaled(x, u_per_x, softcap):
-    """softcap * tanh(logit_scale * x / softcap) of raw logits x, with u_per_x = scalar_quotient(logit_scale,
-    softcap)."""
+    """softcap * tanh(logit_scale * x / softcap) of raw logits x, with u_per_x = logit_scale / softcap
+    (rounded once, on the host)."""
     return softcap * tanh(x * u_per_x)

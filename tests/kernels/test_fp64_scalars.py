@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-FLOATS = {"logit_scale", "softcap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
+FLOATS = {"logit_scale", "u_per_x", "softcap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
 POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "target_ptr": "*i64",
             "bias_ptr": "*fp16", "labels_ptr": "*i64", "positions_ptr": "*i64", "targets_ptr": "*i64",
             "summary_ptr": "*i64"}
