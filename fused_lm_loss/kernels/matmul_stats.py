@@ -129,8 +129,8 @@ def _matmul_stats_kernel(
 
 def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``matmul_partials`` can run on these operands (else: cuBLAS logits + ``row_stats``)."""
-    if TensorDescriptor is None or not _HAS_FLATTEN or hidden.dtype != weight.dtype:
-        return False
+    if TensorDescriptor is None or not _HAS_FLATTEN or hidden.dtype != weight.dtype or hidden.shape[1] == 0:
+        return False  # (no hidden columns: no tiles to load; the logits are the bias, made by the cuBLAS path)
     if hidden.is_cuda:
         if torch.cuda.get_device_capability(hidden.device)[0] < 9 or hidden.dtype not in (torch.bfloat16, torch.float16):
             return False
