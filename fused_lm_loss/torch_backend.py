@@ -133,3 +133,70 @@ def grad_logits(
     if out_lo is not None:
         out_lo.copy_(grad - out.float())
 
+
+def token_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    logprob_out: torch.Tensor,
+    entropy_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    argmax_out: torch.Tensor | None,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+) -> None:
+    """Per row of a chunk that holds the whole vocabulary, with z the loss-space logits and p = softmax(z)::
+
+        lse = log sum_j exp(z_j)      logprob = z_t - lse      entropy = lse - sum_j p_j z_j      argmax = first argmax_j z_j
+
+    into the (rows,) fp32 outputs (argmax int64; skipped when None). p_j z_j is 0 where p_j is 0 (a -inf logit
+    carries no probability), as ``torch.distributions.Categorical(logits=z).entropy()`` has it. A temperature T
+    is a logit_scale and a softcap divided by T (softcap(s x) / T = (c / T) tanh((s / T) x / (c / T))).
+    """
+    z, _ = _loss_space(logits, logit_scale, softcap)
+    row_max = z.amax(dim=1)
+    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    e = torch.exp(z - shift[:, None])
+    sumexp = e.sum(dim=1)
+    lse = shift + torch.log(sumexp)
+    p = e / sumexp[:, None]
+    expected_z = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(dim=1)
+    lse_out.copy_(lse)
+    logprob_out.copy_(z.gather(1, target[:, None]).squeeze(1) - lse)
+    entropy_out.copy_(lse - expected_z)
+    if argmax_out is not None:
+        argmax_out.copy_(z.argmax(dim=1))
+
+
+def token_grad_logits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+) -> None:
+    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a chunk (see ``token_stats``), a = grad_logprob,
+    b = grad_entropy ((rows,) fp32, or None: no such term), E = lse - entropy::
+
+        dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (p_j (E - z_j) = 0 where p_j = 0)
+
+    then the chain rule to the raw logits (logit_scale, and 1 - tanh^2 with softcap); into ``out`` (may be
+    ``logits``)."""
+    z, capped = _loss_space(logits, logit_scale, softcap)
+    p = torch.exp(z - lse[:, None])
+    grad = torch.zeros_like(z)
+    if grad_logprob is not None:
+        grad -= p * grad_logprob[:, None]
+        grad[torch.arange(z.shape[0], device=z.device), target] += grad_logprob
+    if grad_entropy is not None:
+        expected_z = lse - entropy
+        grad += grad_entropy[:, None] * torch.where(p > 0, p * (expected_z[:, None] - z), torch.zeros_like(p))
+    grad *= logit_scale
+    if capped is not None:
+        grad *= 1.0 - capped * capped
+    out.copy_(grad)
