@@ -1,26 +1,31 @@
-"""The chunk loop: one implementation for every path (forward, recompute; hidden states or given logits).
+"""The chunk loop: one implementation for every path (forward, recompute; hidden states or given logits;
+the loss or per-token outputs).
 
 Per chunk of kept token rows (those whose label is not ``ignore_index``)::
 
     logits  = head.logits(chunk)              LinearHead: h_chunk @ W.T (+ b) (+ u @ B.T), cuBLAS;
                                               GivenLogits: the rows of logits that already exist
-    loss, lse = backend.row_losses(logits)    online softmax in fp32 (vocab-parallel: row_stats, merged)
-    G       = backend.grad_logits(logits)     fp32 math, stored in the matmul dtype (in place of the logits)
-    head.backprop(G)                          dX[chunk] = G @ W ; dW += G.T @ h ; db += G.sum(0)
+    step.stats(logits)                        LossStep: loss, lse (online softmax in fp32; vocab-parallel:
+                                              merged across shards); TokenStep: log p(label), entropy, lse
+    for each gradient component of the step:
+        G = d(...)/d(logits)                  fp32 math, stored in the matmul dtype (the last in place)
+        head.backprop(G)                      dX[chunk] = G @ W ; dW += G.T @ h ; db += G.sum(0)
                                               (CUDA: dX on a second stream beside dW); or dlogits[chunk] = G
 
-so the N x V logits never exist at once. Gradients are produced in forward (scaled by ``plan.grad_scale``,
-times ``row_scale`` per row when recomputing for a per-token grad_output); ``ops.py`` wraps this in
-PyTorch operators and applies ``grad_output`` in backward. Every decision (chunk rows, dtypes, backend,
-scale) comes from the ``Plan`` (``plan.py``).
+so the N x V logits never exist at once. Gradients are produced in forward (the loss: scaled by
+``plan.grad_scale``, times ``row_scale`` per row when recomputing for a per-token grad_output; per-token
+outputs: one component per output, weighted per row in backward); ``ops.py`` wraps this in PyTorch
+operators and applies ``grad_output`` in backward. Every decision (chunk rows, dtypes, backend, scale,
+components) comes from the ``Plan`` (``plan.py``).
 
-Without gradients and on a GPU with TMA, nothing but the statistics needs the logits: the logits matmul
+Without gradients and on a GPU with TMA, nothing but the loss statistics needs the logits: the logits matmul
 reduces each output tile to them in its epilogue (kernels/matmul_stats.py) and no logits chunk exists
-(``_losses_from_matmul``).
+(``LossStep.from_matmul``).
 
 Buffers and their precision:
   logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
-  G chunk       same buffer as logits (overwritten in place). With fp32 logits from bf16/fp16
+  G chunk       same buffer as logits (overwritten in place; each earlier gradient component of a step
+                has a buffer of its own). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
@@ -98,43 +103,127 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
 
 @dataclass
 class ChunkOutputs:
-    loss: torch.Tensor | None  # (rows.count,) fp32 per-token loss
-    lse: torch.Tensor | None  # (rows.count,) fp32 log-sum-exp over the whole vocabulary
-    grads: tuple  # the head's gradients, None where not needed
+    step: object  # the step, holding its per-row outputs (LossStep: loss, lse; TokenStep: logprob, entropy, ...)
+    grads: tuple  # per gradient component, the head's gradients (LinearHead: d hidden, d W, d b, d u, d B)
 
 
-def run_chunks(
-    plan: Plan, head, rows: Rows, *, lse: torch.Tensor | None = None, row_scale: torch.Tensor | None = None
-) -> ChunkOutputs:
-    """The chunk loop shared by every path. With ``lse`` given (recompute in backward) the statistics pass
-    is skipped; ``row_scale`` (rows.count,) multiplies each row's gradient."""
+def run_chunks(plan: Plan, head, rows: Rows, step) -> ChunkOutputs:
+    """The chunk loop shared by every path: per chunk the head's logits, the step's statistics, then each of
+    the step's gradient components (d(...)/d(logits) of the chunk), which the head backpropagates."""
     if plan.stats_in_matmul:
-        return _losses_from_matmul(plan, head, rows)
-    backend, device = plan.backend, head.device
-    compute_stats = lse is None
-    loss_rows = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if compute_stats else None
-    lse_rows = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if compute_stats else lse
+        return ChunkOutputs(step=step.from_matmul(plan, head, rows), grads=((None,) * 5,))
     head.start(plan, rows)
     for start, end in plan.chunks():
         logits = head.logits(start, end)
         target = rows.target[start:end]
-        if compute_stats:
-            _chunk_losses(plan, logits, target, loss_rows[start:end], lse_rows[start:end])
-        if not plan.needs.any():
-            continue
-        grad, grad_lo = head.grad_buffers(start, end)
-        backend.grad_logits(
+        step.stats(logits, target, start, end)
+        for k, make_grad in enumerate(step.grads):
+            grad, grad_lo = head.grad_buffers(start, end, k)
+            make_grad(logits, grad, target, start, end, grad_lo)
+            head.backprop(start, end, k)
+    return ChunkOutputs(step=step, grads=head.finish())
+
+
+class LossStep:
+    """The cross-entropy of each row (loss, lse; vocab-parallel: merged across shards) and its gradient,
+    scaled by ``plan.grad_scale`` (times ``row_scale[i]``). With ``lse`` given (the recompute of a per-token
+    grad_output in backward) the statistics are skipped."""
+
+    def __init__(self, plan: Plan, device: torch.device, *, lse: torch.Tensor | None = None,
+                 row_scale: torch.Tensor | None = None) -> None:
+        self.plan, self.row_scale, self.compute = plan, row_scale, lse is None
+        self.loss = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if self.compute else None
+        self.lse = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if self.compute else lse
+        self.grads = [self._grad] if plan.needs.any() else []
+
+    def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
+        if self.compute:
+            _chunk_losses(self.plan, logits, target, self.loss[start:end], self.lse[start:end])
+
+    def _grad(self, logits, out, target, start, end, out_lo) -> None:
+        self.plan.backend.grad_logits(
             logits,
-            grad,
+            out,
             target,
-            lse_rows[start:end],
-            grad_scale=plan.grad_scale,
-            row_scale=None if row_scale is None else row_scale[start:end],
-            out_lo=grad_lo,
-            **plan.loss_terms,
+            self.lse[start:end],
+            grad_scale=self.plan.grad_scale,
+            row_scale=None if self.row_scale is None else self.row_scale[start:end],
+            out_lo=out_lo,
+            **self.plan.loss_terms,
         )
-        head.backprop(start, end)
-    return ChunkOutputs(loss=loss_rows, lse=lse_rows, grads=head.finish())
+
+    def from_matmul(self, plan: Plan, head: "LinearHead", rows: Rows) -> "LossStep":
+        """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its
+        epilogue (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials."""
+        backend, shard = plan.backend, plan.shard
+        merge = dict(label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=shard.total)
+        for start, end in plan.chunks():
+            partial = backend.matmul_partials(
+                rows.gather(head.hidden, start, end),
+                head.weight,
+                head.bias,
+                rows.target[start:end],
+                logits_dtype=plan.logits_dtype,
+                logit_scale=plan.logit_scale,
+                softcap=plan.softcap,
+                need_sum=plan.need_sum,
+            )
+            loss, lse = self.loss[start:end], self.lse[start:end]
+            if shard.group is None:
+                backend.merge_partials(partial, need_sum=plan.need_sum, loss_out=loss, lse_out=lse, **merge)
+            else:  # vocab-parallel: merge the shards' statistics first
+                stats = shard.merge_stats(*backend.merge_partials(partial, need_sum=plan.need_sum))
+                loss[:], lse[:] = loss_from_stats(*stats, **merge)
+        return self
+
+
+class TokenStep:
+    """Per-token outputs of each row (log-probability of the label, entropy, lse, and the argmax when asked)
+    and gradients of ``sum_i a_i logprob_i + b_i entropy_i``.
+
+    In forward (``weights=None``) it computes the outputs and, for each name in ``components`` ("logprob",
+    "entropy"), one gradient component with unit weights, which backward weights per row. In backward
+    (``weights=(a, b)`` per kept row, either may be None; the forward's ``lse`` and ``entropy`` given) it skips
+    the outputs and makes the one gradient of the weighted sum.
+    """
+
+    def __init__(self, plan: Plan, device: torch.device, *, need_argmax: bool = False, components: tuple = (),
+                 weights: tuple | None = None, lse: torch.Tensor | None = None,
+                 entropy: torch.Tensor | None = None) -> None:
+        self.plan, self.compute = plan, weights is None
+        if self.compute:
+            n = plan.n_rows
+            self.logprob, self.entropy, self.lse = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(3))
+            self.argmax = torch.empty(n, dtype=torch.int64, device=device) if need_argmax else None
+            self.grads = [self._unit_grad(name) for name in components]
+        else:
+            self.lse, self.entropy, self.weights = lse, entropy, weights
+            self.grads = [self._weighted_grad]
+
+    def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
+        if self.compute:
+            self.plan.backend.token_stats(
+                logits, target, self.logprob[start:end], self.entropy[start:end], self.lse[start:end],
+                None if self.argmax is None else self.argmax[start:end],
+                logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+            )
+
+    def _unit_grad(self, name: str):
+        def make(logits, out, target, start, end, out_lo) -> None:
+            ones = torch.ones(end - start, dtype=torch.float32, device=logits.device)
+            self._token_grad(logits, out, target, start, end, *((ones, None) if name == "logprob" else (None, ones)))
+
+        return make
+
+    def _weighted_grad(self, logits, out, target, start, end, out_lo) -> None:
+        a, b = (None if w is None else w[start:end] for w in self.weights)
+        self._token_grad(logits, out, target, start, end, a, b)
+
+    def _token_grad(self, logits, out, target, start, end, grad_logprob, grad_entropy) -> None:
+        self.plan.backend.token_grad_logits(
+            logits, out, target, self.lse[start:end], self.entropy[start:end], grad_logprob, grad_entropy,
+            logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+        )
 
 
 def _chunk_losses(plan: Plan, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor) -> None:
@@ -151,37 +240,12 @@ def _chunk_losses(plan: Plan, logits: torch.Tensor, target: torch.Tensor, loss: 
     )
 
 
-def _losses_from_matmul(plan: Plan, head: "LinearHead", rows: Rows) -> ChunkOutputs:
-    """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its epilogue
-    (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials (and gathered rows)."""
-    backend, shard = plan.backend, plan.shard
-    loss = torch.empty(plan.n_rows, dtype=torch.float32, device=head.device)
-    lse = torch.empty_like(loss)
-    merge = dict(label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=shard.total)
-    for start, end in plan.chunks():
-        partial = backend.matmul_partials(
-            rows.gather(head.hidden, start, end),
-            head.weight,
-            head.bias,
-            rows.target[start:end],
-            logits_dtype=plan.logits_dtype,
-            logit_scale=plan.logit_scale,
-            softcap=plan.softcap,
-            need_sum=plan.need_sum,
-        )
-        if shard.group is None:
-            backend.merge_partials(partial, need_sum=plan.need_sum, loss_out=loss[start:end], lse_out=lse[start:end], **merge)
-        else:  # vocab-parallel: merge the shards' statistics first
-            stats = shard.merge_stats(*backend.merge_partials(partial, need_sum=plan.need_sum))
-            loss[start:end], lse[start:end] = loss_from_stats(*stats, **merge)
-    return ChunkOutputs(loss=loss, lse=lse, grads=(None,) * 5)
-
-
 class LinearHead:
     """logits = h @ W.T (+ b) (+ u @ B.T) of the kept rows; gradients for hidden, weight, bias, u and B.
 
     ``hidden`` (N, H), ``weight`` (V_shard, H), ``low_rank = (u (N, r), B (V_shard, r))`` or None: a LoRA
-    adapter on lm_head. ``finish`` returns (d hidden, d weight, d bias, d u, d B), None where not needed.
+    adapter on lm_head. ``finish`` returns, per gradient component of the step, (d hidden, d weight, d bias,
+    d u, d B), None where not needed.
     """
 
     def __init__(self, hidden, weight, bias, low_rank) -> None:
@@ -191,6 +255,7 @@ class LinearHead:
 
     # what make_plan asks of a head
     transformed = False  # the logits are raw matmul outputs: the plan applies softcap / logit scale
+
     @property
     def vocab_weight(self) -> torch.Tensor:
         return self.weight
@@ -210,74 +275,85 @@ class LinearHead:
 
     # the loop
     def start(self, plan: Plan, rows: Rows) -> None:
-        self.plan, self.rows, needs = plan, rows, plan.needs
+        self.plan, self.rows = plan, rows
         self.buffers = _chunk_buffers(
-            plan.chunk_rows, self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype, plan.split_grad, self.device
+            plan.chunk_rows, self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype, plan.split_grad,
+            plan.grad_components, self.device,
         )
-        self.grad_hidden = _row_grad_buffer(self.hidden, rows, plan.grad_input_dtype) if needs.hidden else None
-        self.grad_u = _row_grad_buffer(self.u, rows, plan.grad_input_dtype) if needs.low_rank_input else None
-        self.grad_weight = _Accumulator(self.weight.shape, plan.accum_dtype, self.device) if needs.weight else None
-        # B is small (V x r): summed and kept in the wide dtype, so that backward rounds it once
-        self.grad_b = _Accumulator(self.b.shape, plan.kept_dtype, self.device) if needs.low_rank_weight else None
-        self.grad_bias = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=self.device) if needs.bias else None
+        self.sets = [self._grad_set() for _ in range(plan.grad_components)]
         self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
+
+    def _grad_set(self) -> dict:
+        """One component's gradients: dX / du rows (kept wide), dW / dB accumulators, db in fp32."""
+        plan, rows, needs, vocab = self.plan, self.rows, self.plan.needs, self.weight.shape[0]
+        return {
+            "hidden": _row_grad_buffer(self.hidden, rows, plan.grad_input_dtype) if needs.hidden else None,
+            "weight": _Accumulator(self.weight.shape, plan.accum_dtype, self.device) if needs.weight else None,
+            "bias": torch.zeros(vocab, dtype=torch.float32, device=self.device) if needs.bias else None,
+            "u": _row_grad_buffer(self.u, rows, plan.grad_input_dtype) if needs.low_rank_input else None,
+            # B is small (V x r): summed and kept in the wide dtype, so that backward rounds it once
+            "b": _Accumulator(self.b.shape, plan.kept_dtype, self.device) if needs.low_rank_weight else None,
+        }
 
     def logits(self, start: int, end: int) -> torch.Tensor:
         self.h = self.rows.gather(self.hidden, start, end)
-        logits = self.buffers[0][: end - start]
+        logits = self.buffers.logits[: end - start]
         _logits_into(logits, self.h, self.weight, self.bias)
         if self.u is not None:
             self.u_rows = self.rows.gather(self.u, start, end)
             _matmul_accumulate(logits, self.u_rows, self.b.t(), first=False)
         return logits
 
-    def grad_buffers(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, grad, grad_lo = self.buffers
+    def grad_buffers(self, start: int, end: int, component: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        grad, grad_lo = self.buffers.grad[component], self.buffers.grad_lo
         self.grad = grad[: end - start]
         self.grad_lo = None if grad_lo is None else grad_lo[: end - start]
         return self.grad, self.grad_lo
 
-    def backprop(self, start: int, end: int) -> None:
-        grad, side = self.grad, self.side
+    def backprop(self, start: int, end: int, component: int = 0) -> None:
+        grad, side, out = self.grad, self.side, self.sets[component]
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if self.grad_lo is None else (grad, self.grad_lo)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if self.grad_hidden is not None:
-                _store_rows(self.grad_hidden, self.rows, start, end, dx_terms, self.weight)
-            if self.grad_u is not None:
-                _store_rows(self.grad_u, self.rows, start, end, dx_terms, self.b)
-        if self.grad_weight is not None:
-            self.grad_weight.add(grad.t(), self.h)
-        if self.grad_b is not None:
-            self.grad_b.add(grad.t(), self.u_rows)
-        if self.grad_bias is not None:
-            self.grad_bias += grad.sum(dim=0, dtype=torch.float32)
-        if side is not None:  # the next chunk overwrites G
+            if out["hidden"] is not None:
+                _store_rows(out["hidden"], self.rows, start, end, dx_terms, self.weight)
+            if out["u"] is not None:
+                _store_rows(out["u"], self.rows, start, end, dx_terms, self.b)
+        if out["weight"] is not None:
+            out["weight"].add(grad.t(), self.h)
+        if out["b"] is not None:
+            out["b"].add(grad.t(), self.u_rows)
+        if out["bias"] is not None:
+            out["bias"] += grad.sum(dim=0, dtype=torch.float32)
+        if side is not None:  # the next component or chunk overwrites G
             torch.cuda.current_stream(self.device).wait_stream(side)
 
     def finish(self) -> tuple:
         # Free the chunk buffers first: with several chunks the dW result takes their memory (plan.py).
         self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = None
         plan = self.plan
-        grad_hidden, grad_u = (
-            None if partial is None else plan.shard.sum_partial_grad(partial) for partial in (self.grad_hidden, self.grad_u)
-        )
-        return (  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)
-            grad_hidden,
-            None if self.grad_weight is None else self.grad_weight.result(plan.weight_grad_dtype),
-            None if self.grad_bias is None else self.grad_bias.to(plan.kept_dtype),
-            grad_u,
-            None if self.grad_b is None else self.grad_b.result(plan.kept_dtype),
-        )
+        results = []
+        for out in self.sets:  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)
+            rows_grads = (None if out[k] is None else plan.shard.sum_partial_grad(out[k]) for k in ("hidden", "u"))
+            grad_hidden, grad_u = rows_grads
+            results.append((
+                grad_hidden,
+                None if out["weight"] is None else out["weight"].result(plan.weight_grad_dtype),
+                None if out["bias"] is None else out["bias"].to(plan.kept_dtype),
+                grad_u,
+                None if out["b"] is None else out["b"].result(plan.kept_dtype),
+            ))
+        self.sets = None
+        return tuple(results) or ((None,) * 5,)  # no gradient asked for
 
 
 class GivenLogits:
     """The logits already exist (transformers' loss signature): read their rows, write d(loss)/d(logits).
 
-    ``logits`` (N, V) already carry the model's softcap / scale. ``finish`` returns (d logits,) or (None,).
+    ``logits`` (N, V) already carry the model's softcap / scale. ``finish`` returns ((d logits,),) or ((None,),).
     """
 
     def __init__(self, logits: torch.Tensor) -> None:
@@ -290,6 +366,7 @@ class GivenLogits:
         return 0  # the chunk buffer (gathered rows, then G in place) is the logits buffer of the plan
 
     def start(self, plan: Plan, rows: Rows) -> None:
+        assert plan.grad_components <= 1, "one gradient component on given logits"
         self.plan, self.rows = plan, rows
         contiguous_rows = self.given.stride(1) == 1
         self.buffer = None
@@ -310,18 +387,18 @@ class GivenLogits:
             torch.index_select(self.given, 0, self.rows.index[start:end], out=out)
         return out
 
-    def grad_buffers(self, start: int, end: int) -> tuple[torch.Tensor, None]:
+    def grad_buffers(self, start: int, end: int, component: int = 0) -> tuple[torch.Tensor, None]:
         if self.rows.index is None:
             return self.grad_logits[start:end], None  # G straight into the result
         return self.buffer[: end - start], None  # in place over the gathered rows, scattered in backprop
 
-    def backprop(self, start: int, end: int) -> None:
+    def backprop(self, start: int, end: int, component: int = 0) -> None:
         if self.rows.index is not None:
             self.grad_logits.index_copy_(0, self.rows.index[start:end], self.buffer[: end - start])
 
     def finish(self) -> tuple:
         self.buffer = None
-        return (self.grad_logits,)
+        return ((self.grad_logits,),)
 
 
 def _side_stream(device: torch.device):
@@ -365,22 +442,32 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
         acc.addmm_(a, b)
 
 
+@dataclass
+class ChunkBuffers:
+    logits: torch.Tensor  # (rows, V) in the logits dtype
+    grad: list  # per gradient component, (rows, V) in the matmul dtype; the last one in place of the logits
+    grad_lo: torch.Tensor | None  # with fp32 logits from bf16/fp16 operands, G = hi + lo: lo's buffer
+
+
 def _chunk_buffers(
-    rows: int, vocab: int, logits_dtype: torch.dtype, mm_dtype: torch.dtype, split_grad: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logits, G, G_lo) chunk buffers: G overwrites the logits in place, except with fp32 logits from
+    rows: int, vocab: int, logits_dtype: torch.dtype, mm_dtype: torch.dtype, split_grad: bool, components: int,
+    device: torch.device,
+) -> ChunkBuffers:
+    """The chunk's logits and gradient buffers. The last gradient component overwrites the logits in place
+    (each earlier one, read from the same logits, has a buffer of its own), except with fp32 logits from
     bf16/fp16 operands, where G = hi + lo gets two buffers of its own. They are carved from one allocation
     (each part 256-byte aligned for cuBLAS), so that what they free after the loop is one block."""
-    parts = [logits_dtype] + ([mm_dtype, mm_dtype] if split_grad else [])
+    assert not (split_grad and components > 1), "fp32 logits with one gradient component"
+    parts = [logits_dtype] + [mm_dtype] * max(components - 1, 0) + ([mm_dtype, mm_dtype] if split_grad else [])
     sizes = [-(-rows * vocab * dtype.itemsize // 256) * 256 for dtype in parts]
     flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     views, offset = [], 0
     for dtype, size in zip(parts, sizes):
         views.append(flat[offset : offset + rows * vocab * dtype.itemsize].view(dtype).view(rows, vocab))
         offset += size
-    if not split_grad:
-        return views[0], views[0], None
-    return views[0], views[1], views[2]
+    if split_grad:
+        return ChunkBuffers(logits=views[0], grad=[views[1]], grad_lo=views[2])
+    return ChunkBuffers(logits=views[0], grad=views[1:] + [views[0]], grad_lo=None)
 
 
 def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import distributed
 from .backends import backend_name, get_backend
-from .chunked import GivenLogits, LinearHead, label_ids, run_chunks, select_rows
+from .chunked import GivenLogits, LinearHead, LossStep, label_ids, run_chunks, select_rows
 from .options import LossOptions
 from .plan import GradNeeds, grad_dtypes, make_plan
 
@@ -157,7 +157,7 @@ def linear_cross_entropy(
 
     if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
         plan = make_plan(opts, backend, shard, rows, head)
-        out = run_chunks(plan, head, rows)
+        out = run_chunks(plan, head, rows, LossStep(plan, hidden.device)).step
         per_token = _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape)
         lse = _scatter_rows(out.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
         return (per_token, lse, *(_empty(hidden) for _ in range(5)))
@@ -165,10 +165,10 @@ def linear_cross_entropy(
     denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
     plan = make_plan(opts, backend, shard, rows, head,
                      needs=grad_needs, grad_scale=scaling / denominator)
-    out = run_chunks(plan, head, rows)
-    loss = out.loss.sum() / denominator
+    out = run_chunks(plan, head, rows, LossStep(plan, hidden.device))
+    loss = out.step.loss.sum() / denominator
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return (loss, _empty(loss), *(_shaped_like(g, x, hidden) for g, x in zip(out.grads, inputs)))
+    return (loss, _empty(loss), *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)))
 
 
 def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels):
@@ -247,9 +247,9 @@ def linear_cross_entropy_backward(
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs))
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
-    out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
+    out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=_kept(lse, rows), row_scale=row_scale))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return tuple(_shaped_like(g, x, hidden, x.dtype if x is not None else None) for g, x in zip(out.grads, inputs))
+    return tuple(_shaped_like(g, x, hidden, x.dtype if x is not None else None) for g, x in zip(out.grads[0], inputs))
 
 
 @linear_cross_entropy_backward.register_fake
@@ -284,14 +284,15 @@ def logits_cross_entropy(
                        z_loss=z_loss, chunk_size=chunk_size)
     head, rows, backend, shard = _logits_call(opts, logits, labels)
     if reduction == "none":
-        out = run_chunks(make_plan(opts, backend, shard, rows, head), head, rows)
+        plan = make_plan(opts, backend, shard, rows, head)
+        out = run_chunks(plan, head, rows, LossStep(plan, logits.device)).step
         lse = _scatter_rows(out.lse, rows, labels.numel()) if need_grad else _empty(out.loss)
         return _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape), lse, _empty(logits)
     denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
     plan = make_plan(opts, backend, shard, rows, head,
                      needs=GradNeeds(hidden=need_grad), grad_scale=1.0 / denominator)
-    out = run_chunks(plan, head, rows)
-    return out.loss.sum() / denominator, _empty(logits), _shaped_like(out.grads[0], logits, logits)
+    out = run_chunks(plan, head, rows, LossStep(plan, logits.device))
+    return out.step.loss.sum() / denominator, _empty(logits), _shaped_like(out.grads[0][0], logits, logits)
 
 
 def _logits_call(opts, logits, labels):
@@ -330,8 +331,8 @@ def logits_cross_entropy_backward(
     plan = make_plan(opts, backend, shard, rows, head,
                      needs=GradNeeds(hidden=True))
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
-    out = run_chunks(plan, head, rows, lse=_kept(lse, rows), row_scale=row_scale)
-    return out.grads[0].view(logits.shape)
+    out = run_chunks(plan, head, rows, LossStep(plan, logits.device, lse=_kept(lse, rows), row_scale=row_scale))
+    return out.grads[0][0].view(logits.shape)
 
 
 @logits_cross_entropy_backward.register_fake

@@ -80,6 +80,7 @@ class Plan:
     weight_grad_dtype: torch.dtype  # dW as returned: kept wide until backward where the memory allows
     kept_dtype: torch.dtype  # the small per-vocabulary gradients (db, dB), kept until backward rounds them
     split_grad: bool  # fp32 logits from bf16/fp16 operands: G kept as hi + lo
+    grad_components: int  # gradients made per chunk (each backpropagated into its own set of gradients)
     # gradient scale: each row's d(loss)/d(logits) is multiplied by grad_scale (times row_scale[i] if given)
     grad_scale: float
     overlap_grad_matmuls: bool  # CUDA: dX on a second stream beside dW
@@ -114,25 +115,33 @@ def make_plan(
     *,
     needs: GradNeeds = GradNeeds(),
     grad_scale: float = 1.0,
+    components: int = 1,
+    epilogue_stats: bool = True,
 ) -> Plan:
     """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
     an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
     the device, the matmul dtype, the weight whose gradient is summed over chunks (``vocab_weight``), the
     operands of a statistics-epilogue matmul (``stats_operands``), whether its logits already carry the
     model's softcap / scale (``transformed``), and the bytes its per-chunk row copies take (``row_bytes``).
+    ``components``: gradients the step makes per chunk (when ``needs`` has any); ``epilogue_stats``: whether
+    the step's statistics are the loss's, which a no-grad forward may take from the matmul epilogue.
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
     logits_dtype = matmul_dtype if head.transformed else (opts.logits_dtype or matmul_dtype)
+    components = components if needs.any() else 0
     split_grad = needs.any() and logits_dtype != matmul_dtype
     grad_input_dtype = row_grad_dtype(opts, device, matmul_dtype)
     weight_dtype = matmul_dtype if weight is None else weight.dtype
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
-    stats_in_matmul = not needs.any() and operands is not None and backend.supports_stats_in_matmul(*operands)
+    stats_in_matmul = (
+        epilogue_stats and not needs.any() and operands is not None and backend.supports_stats_in_matmul(*operands)
+    )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
+    per_logit += max(components - 1, 0) * matmul_dtype.itemsize  # the earlier components' G buffers
     keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit)
     if stats_in_matmul:  # chunks bound only the fp32 partials (and the gathered rows)
         bytes_per_row = backend.matmul_partial_bytes_per_row(shard.chunk_vocab) + row_bytes
@@ -169,6 +178,7 @@ def make_plan(
         weight_grad_dtype=accum_dtype if keep_dw_wide else weight_dtype,
         kept_dtype=kept_dtype(opts, matmul_dtype),
         split_grad=split_grad,
+        grad_components=components,
         grad_scale=grad_scale,
         overlap_grad_matmuls=device.type == "cuda" and needs.row_inputs and needs.weights,
     )
