@@ -141,8 +141,10 @@ def make_plan(
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
+    keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(
+        opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
+    )
     per_logit += max(components - 1, 0) * matmul_dtype.itemsize  # the earlier components' G buffers
-    keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit)
     if stats_in_matmul:  # chunks bound only the fp32 partials (and the gathered rows)
         bytes_per_row = backend.matmul_partial_bytes_per_row(shard.chunk_vocab) + row_bytes
         max_rows = opts.chunk_size or rows_within(bytes_per_row, LOGITS_BUDGET_BYTES)

@@ -128,3 +128,35 @@ def test_patched_llama_compiles_fullgraph(monkeypatch):
     assert counter.frame_count == 1
     assert len(calls) == 3  # the compiled model ran the fused loss at every step
     assert transformers is not None
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_token_stats_compile_fullgraph(frozen):
+    """The per-token outputs under torch.compile(fullgraph=True): the same outputs and gradients (random per-token
+    weights) as eager, one frame across different ignored counts."""
+    from fused_lm_loss import token_stats
+
+    step = Step(None)
+    step.head.requires_grad_(not frozen)
+
+    def rl_loss(x, y, a, b):
+        out = token_stats(step.proj(x), step.head, y, temperature=0.8)
+        return (out.logprobs * a).sum() + (out.entropy * b).sum() + out.is_top1.float().sum() * 0
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(rl_loss, backend=counter, fullgraph=True)
+    for x, y in _batches(3):
+        a, b = torch.randn(N), torch.randn(N)
+        got_loss = compiled(x, y, a, b)
+        got_loss.backward()
+        got = [None if p.grad is None else p.grad.clone() for p in step.parameters()]
+        step.zero_grad(set_to_none=True)
+        want_loss = rl_loss(x, y, a, b)
+        want_loss.backward()
+        assert rel_err(got_loss, want_loss) <= 1e-5
+        for g, p in zip(got, step.parameters()):
+            assert (g is None) == (p.grad is None)
+            if g is not None:
+                assert rel_err(g, p.grad) <= 1e-5
+        step.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1

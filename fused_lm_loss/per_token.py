@@ -1,0 +1,275 @@
+"""Per-token outputs of the lm_head softmax without the logits: the label's log-probability, the entropy, the
+log-sum-exp, whether the label is the top-1 token, and the argmax, with gradients for any per-token weights.
+
+    z = softcap(logit_scale * (h @ W.T + b + u @ B.T)) / temperature          (per token, fp32)
+    logprob = z[y] - lse(z)      entropy = lse(z) - sum_j softmax(z)_j z_j      is_top1 = argmax(z) == y
+
+``logprobs`` and ``entropy`` are differentiable: backward receives per-token weights a (for logprobs) and b
+(for entropy) and the gradient is that of ``sum_i a_i logprob_i + b_i entropy_i``. How it is made depends on
+what can be done in forward, where the weights are still unknown (``expected_grads`` says what to expect; it
+changes the cost, never the result):
+
+- frozen lm_head (only the hidden states or a LoRA input need gradients): each kept row's gradient with
+  unit weight is formed in forward (dX_logprob, and dX_entropy with "logprobs_and_entropy"), and backward
+  weights it per row: no recompute. An entropy weight that was not expected is recomputed.
+- trainable lm_head, "uniform" (SFT: the mean negative log-likelihood): the gradients of sum(logprobs) are
+  made in forward as the loss makes them; backward checks that a is uniform over the kept rows and b is
+  absent or zero, and rescales; otherwise it recomputes.
+- trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits chunk by chunk.
+
+Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse), False (is_top1) and -1 (argmax).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .chunked import TokenStep, run_chunks
+from .loss import _check_low_rank, _check_tensors, _matmul_inputs
+from .ops import _empty, _kept, _linear_call, _refuse_double_backward, _scatter_rows, _shaped_like
+from .options import LossOptions, _check_real
+from .plan import GradNeeds, grad_dtypes, make_plan
+from .backends import backend_name
+
+EXPECTED_GRADS = ("logprobs", "logprobs_and_entropy", "uniform")
+
+
+class TokenStats(NamedTuple):
+    """Per-token outputs, each shaped like the labels."""
+
+    logprobs: Tensor  # fp32, log p(label); differentiable
+    entropy: Tensor  # fp32, entropy of the softmax; differentiable
+    lse: Tensor  # fp32, log-sum-exp of z
+    is_top1: Tensor  # bool, argmax == label (the first maximum on ties, as torch.argmax)
+    argmax: Tensor  # int64, the top-1 token (-1 at ignored positions)
+
+
+def token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    low_rank: tuple[Tensor, Tensor] | None = None,
+    expected_grads: str = "logprobs",
+) -> TokenStats:
+    """Per-token log-probabilities, entropy, lse, top-1 and argmax of ``hidden @ weight.T (+ bias)``, chunked.
+
+    Args:
+        hidden (..., H), weight (V, H), labels shaped like ``hidden.shape[:-1]`` (already shifted), bias (V,).
+        ignore_index: labels with this value give no output (0) and no gradient.
+        temperature: divides the (scaled, softcapped) logits, as sampling does.
+        logit_scale, softcap: the model's transforms of the lm_head output (see FusedLMLoss).
+        chunk_size: at most this many rows per chunk (default: by memory, as FusedLMLoss).
+        low_rank: ``(u, B)`` adds ``u @ B.T`` to the logits (LoRA on lm_head; see FusedLMLoss).
+        expected_grads: "logprobs" (per-token weights on the log-probabilities, e.g. RL advantages),
+            "logprobs_and_entropy" (also an entropy term), or "uniform" (the mean of the log-probabilities over
+            the kept tokens, e.g. SFT): what backward will most likely receive; any other gradient is still
+            exact, at the cost of a recompute.
+
+    Example::
+
+        out = token_stats(hidden, model.lm_head.weight, labels, temperature=0.7)
+        loss = -(advantages * out.logprobs).sum() / mask.sum() - 0.01 * out.entropy.mean()
+        loss.backward()
+    """
+    if expected_grads not in EXPECTED_GRADS:
+        raise ValueError(f"expected_grads must be one of {EXPECTED_GRADS}, got {expected_grads!r}")
+    _check_real("temperature", temperature)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
+    _check_tensors(hidden, weight, labels, bias)
+    if low_rank is not None:
+        _check_low_rank(low_rank, hidden, weight)
+    tensors = _matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
+    grad_mode = torch.is_grad_enabled()
+    needs = [grad_mode and t is not None and t.requires_grad for t in tensors]
+    vocab_side = needs[1] or needs[2] or needs[4]
+    precompute_logprob = any(needs) and (not vocab_side or expected_grads == "uniform")
+    precompute_entropy = any(needs) and not vocab_side and expected_grads == "logprobs_and_entropy"
+    # softcap(s x) / T = (c / T) tanh((s / T) x / (c / T)): a temperature is a scale and a softcap
+    scale = float(opts.logit_scale) / temperature
+    cap = None if opts.softcap is None else float(opts.softcap) / temperature
+    logprobs, entropy, lse, argmax = linear_token_stats(
+        *tensors, labels, needs, precompute_logprob, precompute_entropy, opts.ignore_index, scale, cap,
+        opts.chunk_size,
+    )[:4]
+    is_top1 = (argmax == labels) & (labels != opts.ignore_index)
+    return TokenStats(logprobs, entropy, lse, is_top1, argmax)
+
+
+def _options(ignore_index: int, logit_scale: float, softcap: float | None, chunk_size: int | None) -> LossOptions:
+    return LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
+
+
+@torch.library.custom_op("fused_lm_loss::linear_token_stats", mutates_args=())
+def linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    low_rank_input: Optional[Tensor],
+    low_rank_weight: Optional[Tensor],
+    labels: Tensor,
+    needs: Sequence[bool],
+    precompute_logprob: bool,
+    precompute_entropy: bool,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    chunk_size: Optional[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor]:
+    """(logprobs, entropy, lse, argmax, then for each of the logprob and entropy components the gradients of
+    its sum over kept tokens w.r.t. (hidden, weight, bias, u, B)), per-token outputs shaped like labels; a
+    component's gradients are made only when it is precomputed and ``needs`` asks, else (0,)."""
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    components = ("logprob",) * precompute_logprob + ("entropy",) * precompute_entropy
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if components else GradNeeds(),
+                     components=len(components), epilogue_stats=False)
+    out = run_chunks(plan, head, rows, TokenStep(plan, hidden.device, need_argmax=True, components=components))
+    step, n, shape = out.step, labels.numel(), labels.shape
+    per_token = [_scatter_rows(v, rows, n).view(shape) for v in (step.logprob, step.entropy, step.lse)]
+    argmax = _scatter_rows(step.argmax + 1, rows, n).view(shape) - 1  # -1 at ignored positions
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    grads = {name: out.grads[k] for k, name in enumerate(components)}
+    sets = [
+        [_shaped_like(g, x, hidden) for g, x in zip(grads[name], inputs)] if name in grads else
+        [_empty(hidden) for _ in inputs]
+        for name in ("logprob", "entropy")
+    ]
+    return (*per_token, argmax, *sets[0], *sets[1])
+
+
+@linear_token_stats.register_fake
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, precompute_logprob, precompute_entropy,
+      ignore_index, logit_scale, softcap, chunk_size):
+    shape = labels.shape
+    outputs = [hidden.new_empty(shape, dtype=torch.float32) for _ in range(3)]
+    outputs.append(hidden.new_empty(shape, dtype=torch.int64))
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size)
+    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
+                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
+    for precomputed in (precompute_logprob, precompute_entropy):
+        outputs += [
+            x.new_empty(x.shape, dtype=dtype) if precomputed and need else hidden.new_empty((0,))
+            for need, x, dtype in zip(needs, inputs, dtypes)
+        ]
+    return tuple(outputs)
+
+
+@torch.library.custom_op("fused_lm_loss::linear_token_stats_backward", mutates_args=())
+def linear_token_stats_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    low_rank_input: Optional[Tensor],
+    low_rank_weight: Optional[Tensor],
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logprobs: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    logprob_grads: Sequence[Tensor],
+    entropy_grads: Sequence[Tensor],
+    needs: Sequence[bool],
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    chunk_size: Optional[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """d(sum_i a_i logprob_i + b_i entropy_i) / d(hidden, weight, bias, u, B), in the inputs' dtypes, from the
+    components made in forward (``logprob_grads`` / ``entropy_grads``: per input, or (0,)) where they serve,
+    recomputing the rest (see the module docstring)."""
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    row_inputs, vocab_inputs = (0, 3), (1, 2, 4)
+    a = None if grad_logprobs is None else _kept(grad_logprobs.reshape(-1).float(), rows)
+    b = None if grad_entropy is None else _kept(grad_entropy.reshape(-1).float(), rows)
+    has_lp = any(g.numel() for g in logprob_grads)
+    has_h = any(g.numel() for g in entropy_grads)
+    if b is not None and not has_h and not bool((b != 0).any()):
+        b = None  # a zero entropy weight contributes nothing
+    total: list = [None] * 5
+
+    def add(i: int, g: Tensor) -> None:
+        total[i] = g if total[i] is None else total[i] + g
+
+    def recompute(wa: Tensor | None, wb: Tensor | None, which: Sequence[int]) -> None:
+        sub = GradNeeds(*(needs[i] and i in which for i in range(5)))
+        if not sub.any() or (wa is None and wb is None):
+            return
+        plan = make_plan(opts, backend, shard, rows, head, needs=sub, epilogue_stats=False)
+        step = TokenStep(plan, hidden.device, weights=(wa, wb), lse=_kept(lse.reshape(-1), rows),
+                         entropy=_kept(entropy.reshape(-1), rows))
+        for i, g in enumerate(run_chunks(plan, head, rows, step).grads[0]):
+            if g is not None:
+                add(i, g.view(inputs[i].shape))
+
+    uniform = a is not None and rows.count > 0 and bool(a.min() == a.max())
+    vocab_from_forward = any(needs[i] for i in vocab_inputs) and has_lp and uniform and b is None
+    if any(needs[i] for i in vocab_inputs) and not vocab_from_forward:
+        recompute(a, b, range(5))  # the vocabulary side needs the logits again: recompute it all
+    else:
+        for weights, grads, precomputed in ((a, logprob_grads, has_lp), (b, entropy_grads, has_h)):
+            if weights is None:
+                continue
+            if not precomputed:
+                recompute(*((weights, None) if grads is logprob_grads else (None, weights)), row_inputs)
+                continue
+            per_row = _scatter_rows(weights, rows, labels.numel())
+            for i in row_inputs:
+                if needs[i]:
+                    add(i, grads[i] * per_row.view(*inputs[i].shape[:-1], 1))
+            if grads is logprob_grads and vocab_from_forward:
+                for i in vocab_inputs:
+                    if needs[i]:
+                        add(i, grads[i] * a[0])
+    return tuple(
+        _empty(hidden) if g is None or not need else g.to(x.dtype) for g, x, need in zip(total, inputs, needs)
+    )
+
+
+@linear_token_stats_backward.register_fake
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entropy, grad_logprobs, grad_entropy,
+      logprob_grads, entropy_grads, needs, *options):
+    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
+
+
+def _setup(ctx, inputs, output) -> None:
+    hidden, weight, bias, u, b, labels, needs, _, _, *options = inputs
+    logprobs, entropy, lse, argmax, *grads = output
+    ctx.needs, ctx.options = tuple(needs), tuple(options)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse, argmax, *grads)
+    ctx.save_for_backward(hidden, weight, bias, u, b, labels, lse, entropy, *grads)
+
+
+def _backward(ctx, grad_logprobs, grad_entropy, *unused):
+    _refuse_double_backward(grad_logprobs if grad_logprobs is not None else grad_entropy)
+    nothing = (None,) * 8  # labels, needs, the two precompute flags, the options
+    if (grad_logprobs is None and grad_entropy is None) or not any(ctx.needs):
+        return (None,) * 5 + nothing
+    hidden, weight, bias, u, b, labels, lse, entropy, *grads = ctx.saved_tensors
+    result = linear_token_stats_backward(
+        hidden, weight, bias, u, b, labels, lse, entropy, grad_logprobs, grad_entropy, grads[:5], grads[5:],
+        list(ctx.needs), *ctx.options,
+    )
+    return (*(g if need else None for g, need in zip(result, ctx.needs)), *nothing)
+
+
+linear_token_stats.register_autograd(_backward, setup_context=_setup)
+
+__all__ = ["EXPECTED_GRADS", "TokenStats", "token_stats"]

@@ -1,0 +1,210 @@
+"""token_stats: per-token log-probabilities, entropy, lse, top-1 and argmax with gradients for any per-token
+weights, against float64 autograd on the full logits; and which strategy backward takes."""
+import pytest
+import torch
+
+import fused_lm_loss.per_token as per_token
+from fused_lm_loss import FusedLMLoss, token_stats
+
+from .reference import make_inputs, rel_err
+
+N, H, V = 37, 16, 90
+
+
+def reference(hidden, weight, labels, bias=None, *, a=None, b=None, temperature=1.0, logit_scale=1.0, softcap=None,
+              low_rank=None, ignore_index=-100):
+    """The outputs and float64 gradients of sum(a * logprobs + b * entropy), on materialized logits."""
+    named = {"hidden": hidden, "weight": weight, "bias": bias}
+    if low_rank is not None:
+        named["low_rank_input"], named["low_rank_weight"] = low_rank
+    leaves = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in named.items() if v is not None}
+    z = leaves["hidden"] @ leaves["weight"].T
+    if "bias" in leaves:
+        z = z + leaves["bias"]
+    if low_rank is not None:
+        z = z + leaves["low_rank_input"] @ leaves["low_rank_weight"].T
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, torch.zeros_like(labels))
+    logprobs = torch.where(valid, torch.log_softmax(z, -1).gather(-1, target[..., None]).squeeze(-1), 0.0)
+    entropy = torch.where(valid, torch.distributions.Categorical(logits=z).entropy(), 0.0)
+    lse = torch.where(valid, torch.logsumexp(z, -1), 0.0)
+    argmax = torch.where(valid, z.argmax(-1), -1)
+    total = 0.0
+    if a is not None:
+        total = total + (logprobs * a.double()).sum()
+    if b is not None:
+        total = total + (entropy * b.double()).sum()
+    if any(v.requires_grad for v in leaves.values()) and (a is not None or b is not None):
+        total.backward()
+    grads = {k: v.grad for k, v in leaves.items() if v.requires_grad}
+    return (logprobs.detach(), entropy.detach(), lse.detach(), argmax), grads
+
+
+def _weights(kind, n):
+    if kind == "uniform":
+        return torch.full((n,), -0.25)
+    if kind == "zeros":
+        return torch.zeros(n)
+    return torch.randn(n)  # random: positive and negative
+
+
+@pytest.mark.parametrize("expected", ["logprobs", "logprobs_and_entropy", "uniform"])
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+@pytest.mark.parametrize("a_kind,b_kind", [("uniform", None), ("random", None), ("random", "random"),
+                                           (None, "random"), ("zeros", "zeros"), ("uniform", "zeros")])
+def test_matches_float64_reference(backend, expected, head, a_kind, b_kind):
+    hidden, weight, labels, bias = make_inputs(N, H, V, bias=True)
+    hidden.requires_grad_(True)
+    for t in (weight, bias):
+        t.requires_grad_(head == "trainable")
+    transforms = dict(temperature=0.7, logit_scale=1.2, softcap=5.0)
+    out = token_stats(hidden, weight, labels, bias, chunk_size=16, expected_grads=expected, **transforms)
+    a, b = (None if kind is None else _weights(kind, N) for kind in (a_kind, b_kind))
+    total = (0.0 if a is None else (out.logprobs * a).sum()) + (0.0 if b is None else (out.entropy * b).sum())
+    total.backward()
+    (logprobs, entropy, lse, argmax), grads = reference(hidden, weight, labels, bias, a=a, b=b, **transforms)
+    assert out.logprobs.dtype == out.entropy.dtype == out.lse.dtype == torch.float32
+    for got, want in ((out.logprobs, logprobs), (out.entropy, entropy), (out.lse, lse)):
+        assert rel_err(got, want) <= 2e-6
+    assert torch.equal(out.argmax, argmax)
+    assert torch.equal(out.is_top1, (argmax == labels) & (labels != -100))
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if name in grads:
+            assert rel_err(t.grad, grads[name]) <= 2e-5, name
+        else:
+            assert t.grad is None, name
+
+
+def _count_recomputes(monkeypatch):
+    calls = []
+    original = per_token.run_chunks
+    monkeypatch.setattr(per_token, "run_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("case,head,expected,a_kind,b_kind,recomputes", [
+    ("RL, frozen head: rows weighted", "frozen", "logprobs", "random", None, 0),
+    ("RL + entropy bonus, frozen, expected", "frozen", "logprobs_and_entropy", "random", "random", 0),
+    ("RL + entropy bonus, frozen, not expected", "frozen", "logprobs", "random", "random", 1),
+    ("SFT, trainable: rescaled", "trainable", "uniform", "uniform", None, 0),
+    ("SFT with an unused entropy of weight 0", "trainable", "uniform", "uniform", "zeros", 0),
+    ("not uniform after all: recomputed", "trainable", "uniform", "random", None, 1),
+    ("RL, trainable head: recomputed", "trainable", "logprobs", "random", None, 1),
+])
+def test_backward_recomputes_only_when_forward_could_not_serve(monkeypatch, case, head, expected, a_kind, b_kind,
+                                                                recomputes):
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    out = token_stats(hidden, weight, labels, chunk_size=16, expected_grads=expected)
+    calls = _count_recomputes(monkeypatch)
+    a, b = (None if kind is None else _weights(kind, N) for kind in (a_kind, b_kind))
+    total = (out.logprobs * a).sum() + (0.0 if b is None else (out.entropy * b).sum())
+    total.backward()
+    assert len(calls) == recomputes, case
+    _, grads = reference(hidden, weight, labels, a=a, b=b)
+    assert rel_err(hidden.grad, grads["hidden"]) <= 2e-5
+    if head == "trainable":
+        assert rel_err(weight.grad, grads["weight"]) <= 2e-5
+
+
+def test_sft_through_token_stats_equals_the_loss(backend):
+    """-mean(logprobs) over the kept tokens is the cross-entropy: the same loss and gradients as FusedLMLoss."""
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    out = token_stats(hidden, weight, labels, expected_grads="uniform")
+    kept = labels != -100
+    (-out.logprobs.sum() / kept.sum()).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss = FusedLMLoss()(hidden, weight, labels)
+    loss.backward()
+    assert rel_err(-out.logprobs.sum() / kept.sum(), loss) <= 1e-6
+    assert rel_err(got[0], hidden.grad) <= 1e-6 and rel_err(got[1], weight.grad) <= 1e-6
+
+
+def test_low_rank_and_shapes(backend):
+    """A LoRA term on lm_head (gradients to u and B), (B, T) shaped inputs, a non-default ignore_index."""
+    hidden, weight, labels, _ = make_inputs(4 * 9, H, V, shape=(4, 9))
+    labels[labels == -100] = 5
+    u = (torch.randn(4, 9, 3) * 0.5).requires_grad_(True)
+    b_lr = (torch.randn(V, 3) * 0.5).requires_grad_(True)
+    hidden.requires_grad_(True)
+    out = token_stats(hidden, weight, labels, ignore_index=5, low_rank=(u, b_lr), chunk_size=7)
+    assert out.logprobs.shape == labels.shape and out.argmax.shape == labels.shape
+    a, b = torch.randn(4, 9), torch.randn(4, 9)
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()
+    (logprobs, entropy, _, argmax), grads = reference(hidden, weight, labels, a=a, b=b, low_rank=(u, b_lr),
+                                                      ignore_index=5)
+    assert rel_err(out.logprobs, logprobs) <= 2e-6 and rel_err(out.entropy, entropy) <= 2e-6
+    assert torch.equal(out.argmax, argmax)
+    for name, t in (("hidden", hidden), ("low_rank_input", u), ("low_rank_weight", b_lr)):
+        assert rel_err(t.grad, grads[name]) <= 2e-5, name
+
+
+def test_ignored_positions_and_neg_inf_logits(backend):
+    """Ignored positions give 0 / False / -1 and no gradient; a -inf masked part of the vocabulary (bias) carries
+    no probability: the entropy stays finite, as torch.distributions.Categorical has it."""
+    hidden, weight, labels, bias = make_inputs(N, H, V, bias=True)
+    bias[: V // 2] = float("-inf")
+    labels[labels < V // 2] = -100  # labels in the masked half would have log-probability -inf
+    hidden.requires_grad_(True)
+    out = token_stats(hidden, weight, labels, bias, chunk_size=16)
+    ignored = labels == -100
+    assert ignored.any()
+    assert torch.all(out.logprobs[ignored] == 0) and torch.all(out.entropy[ignored] == 0)
+    assert not out.is_top1[ignored].any() and torch.all(out.argmax[ignored] == -1)
+    assert torch.isfinite(out.entropy).all() and torch.all(out.argmax[~ignored] >= V // 2)
+    a, b = torch.randn(N), torch.randn(N)
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()
+    # the reference on the unmasked half only (the same distribution; autograd of the entropy through -inf is NaN)
+    half = V // 2
+    shifted = torch.where(ignored, labels, labels - half)
+    (logprobs, entropy, _, _), grads = reference(hidden, weight[half:], shifted, bias[half:], a=a, b=b)
+    assert rel_err(out.entropy, entropy) <= 2e-6 and rel_err(out.logprobs, logprobs) <= 2e-6
+    assert torch.isfinite(hidden.grad).all() and rel_err(hidden.grad, grads["hidden"]) <= 2e-5
+    assert torch.all(hidden.grad[ignored] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_no_worse_than_eager(dtype):
+    """bf16/fp16 operands: log-probabilities, entropy and the gradient as exact as eager PyTorch on the logits
+    rounded to that dtype (PyTorch path: bf16 rounds to nearest there, the interpreter truncates)."""
+    hidden, weight, labels, _ = make_inputs(128, 64, 500, dtype=dtype, logit_std=4.0)
+    hidden.requires_grad_(True)
+    a = torch.randn(128)
+    (logprobs, entropy, _, _), grads = reference(hidden, weight, labels, a=a)
+    h_eager = hidden.detach().clone().requires_grad_(True)
+    z = (h_eager @ weight.T).float()
+    kept = labels != -100
+    eager_lp = torch.where(kept, torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1), 0.0)
+    eager_entropy = torch.where(kept, torch.distributions.Categorical(logits=z).entropy(), 0.0)
+    (eager_lp * a).sum().backward()
+    with fused_lm_loss_backend("torch"):
+        out = token_stats(hidden, weight, labels)
+        (out.logprobs * a).sum().backward()
+    assert rel_err(out.logprobs, logprobs) <= 1.25 * rel_err(eager_lp, logprobs) + 1e-6
+    assert rel_err(out.entropy, entropy) <= 1.25 * rel_err(eager_entropy, entropy) + 1e-6
+    assert rel_err(hidden.grad, grads["hidden"]) <= 1.25 * rel_err(h_eager.grad, grads["hidden"])
+
+
+def fused_lm_loss_backend(name):
+    import fused_lm_loss
+
+    return fused_lm_loss.use_backend(name)
+
+
+def test_bad_options_raise():
+    hidden, weight, labels, _ = make_inputs(4, 8, 10)
+    with pytest.raises(ValueError, match="expected_grads"):
+        token_stats(hidden, weight, labels, expected_grads="rl")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            token_stats(hidden, weight, labels, temperature=bad)
+    with pytest.raises(ValueError, match="softcap"):
+        token_stats(hidden, weight, labels, softcap=-2.0)
