@@ -24,14 +24,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
-import torch  # noqa: F401  (on torch 2.5, code that torch.compile generates for _FusedForward refers to it)
+import torch
 from torch import nn
 
 from ..loss import FusedLMLoss
 from ..options import LossOptions
 from . import peft as peft_integration
+from . import trl as trl_integration
 from .hf_config import model_options, unsupported
 from .hf_forward import FusedCall
 from .hf_loss import causal_lm_loss
@@ -93,6 +95,7 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
     object.__setattr__(target, "forward", _FusedForward(target, target.forward))
     _HeadForward.install(target.get_output_embeddings(), state)
     target.__class__ = _swapped_class(type(target))
+    trl_integration.register(target)  # TRL's fused LM head, if TRL is installed, runs on our kernels for it
     return model
 
 
@@ -109,12 +112,18 @@ def unpatch(model: nn.Module) -> nn.Module:
     state = getattr(target, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError(f"{type(target).__name__} is not patched by fused_lm_loss")
+    if not isinstance(target.__dict__.get("forward"), _FusedForward):
+        raise RuntimeError(
+            f"{type(target).__name__}.forward was wrapped again after patch() (e.g. by a TRL trainer built on the "
+            "patched model): unpatching would remove that wrapper too. Unpatch before wrapping, or keep the patch"
+        )
     target.__class__ = state.original_class
     del target.__dict__[_STATE_ATTR]
     if state.saved_forward is None:
         del target.__dict__["forward"]
     else:
         target.__dict__["forward"] = state.saved_forward
+    trl_integration.unregister(target)
     for head in state.heads:
         _HeadForward.remove(head)
     # An assignment made while unpatched (see integrations.__init__) left the loss as a child module.
@@ -122,6 +131,14 @@ def unpatch(model: nn.Module) -> nn.Module:
         if isinstance(owner._modules.get("loss_function"), FusedLMLoss):
             del owner._modules["loss_function"]
     return model
+
+
+def patched_options(model: nn.Module) -> LossOptions:
+    """The options a patched model trains with (its FusedLMLoss's, with the model's softcap / logit scale)."""
+    state = getattr(_causal_lm(model), _STATE_ATTR, None)
+    if state is None or state.fused_options is None:
+        raise RuntimeError(f"{type(model).__name__} is not patched with a FusedLMLoss")
+    return state.fused_options
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -238,6 +255,11 @@ class _FusedForward:
         if state.forward_loss is not None:
             raise RuntimeError(f"{type(model).__name__}.forward re-entered during a fused-loss forward")
         labels, extra = self._labels(args, kwargs) if model.training else (None, {})
+        if model.training and not torch.compiler.is_compiling():
+            if labels is None:
+                _warn_training_without_labels(model)
+            else:
+                trl_integration.check_caller()
         if labels is None:  # eval, or no labels: the model makes its logits and, with labels, its loss of them
             if state.user_loss is None:  # exactly as before patching
                 return self.inner(*args, **kwargs)
@@ -265,6 +287,21 @@ class _FusedForward:
             return self.inner(*args, **kwargs)
         finally:
             state.forward_loss = None
+
+
+_warned_without_labels: set = set()
+
+
+def _warn_training_without_labels(model: nn.Module) -> None:
+    if type(model) not in _warned_without_labels:
+        _warned_without_labels.add(type(model))
+        warnings.warn(
+            f"fused_lm_loss: the patched {type(model).__name__} was called in training mode without labels, so it "
+            "computed its logits and no fused loss. If a trainer computes the loss from them (Trainer with "
+            "label_smoothing_factor > 0 withholds the labels), set label_smoothing_factor=0 and patch with "
+            "FusedLMLoss(label_smoothing=...) instead",
+            stacklevel=3,
+        )
 
 
 class _HeadForward:

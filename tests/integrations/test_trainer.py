@@ -1,4 +1,4 @@
-"""Trainer (and TRL's SFTTrainer when installed): per-step losses and final parameters match an unpatched run."""
+"""transformers' Trainer: per-step losses and final parameters match an unpatched run (TRL: test_trl.py)."""
 from __future__ import annotations
 
 import pytest
@@ -88,38 +88,3 @@ def test_trainer_fp16_grad_scaler(tmp_path):
         return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
     assert run(True) == pytest.approx(run(False), rel=1e-2)
-
-
-@pytest.mark.parametrize("patch_after_trainer", [False, True])
-def test_sft_trainer(tmp_path, patch_after_trainer):
-    """A patched model under SFTTrainer trains exactly like an unpatched one. (Recent TRL runs its own fused
-    LM head through ``fused_lm_head=True`` forwards, which bypass the patch; older TRL calls the patched forward.)"""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-
-    def run(patched):
-        model = make_model()
-        if patched and not patch_after_trainer:
-            fused_lm_loss.patch(model)
-        rows = [{"input_ids": r["input_ids"].tolist()} for r in _dataset()]
-        config = trl.SFTConfig(
-            output_dir=str(tmp_path / f"sft_{patched}"), per_device_train_batch_size=2, max_steps=3,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, learning_rate=1e-3,
-        )
-        trainer = trl.SFTTrainer(
-            model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer()
-        )
-        if patched and patch_after_trainer:
-            fused_lm_loss.patch(trainer.model)
-        trainer.train()
-        return [log["loss"] for log in trainer.state.log_history if "loss" in log]
-
-    assert run(True) == pytest.approx(run(False), rel=2e-4)
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    fast = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")

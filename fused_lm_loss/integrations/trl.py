@@ -1,0 +1,176 @@
+"""TRL: the trainers' fused LM head runs on our kernels for patched models.
+
+TRL 1.x adds its own fused LM head to the model at trainer construction (``trl.trainer.utils.add_fused_lm_head``):
+the trainer calls ``model(..., fused_lm_head=True)``, which runs the backbone and hands the last hidden states
+to ``trl.trainer.utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
+softcap, logit_scale, outputs)``, bypassing the model's forward and lm_head. TRL has no public way to supply
+that function, so ``install()`` replaces this module global (looked up at every call) with ``FusedLogProbs``:
+for the lm_head weight of a model patched by ``fused_lm_loss.patch`` it computes the per-token outputs with
+``token_stats``; for any other model it calls TRL's own function. Patching before or after the trainer is built
+is the same (the lookup is per call). The TRL versions this was tested with are ``SUPPORTED``; others raise.
+
+What TRL's head cannot express is refused, never dropped: a patched model's FusedLMLoss with label smoothing,
+a z-loss, fp32 logits or vocab parallelism raises at the first call. Outputs we do not compute
+("log_sum_sq_probs", "mean_logits": DPO's weighting and logit metrics) and DeepSpeed ZeRO-3 sharded heads run
+TRL's own function, with a warning.
+
+TRL 0.x has no fused head: its SFTTrainer computes metrics from ``outputs.logits``, which a patched model does
+not make in training; ``check_caller`` raises a clear error there instead of TRL's ``AttributeError``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from ..per_token import token_stats
+
+SUPPORTED = ("1.16.0",)
+_COMPUTED = ("log_probs", "entropy", "is_top1")
+_patched_models: "weakref.WeakSet" = weakref.WeakSet()
+_trl_function: Any = None  # TRL's own _ChunkedLogProbFunction, once replaced
+_warned: set = set()
+
+
+def register(model: torch.nn.Module) -> None:
+    """Called by patch(): route TRL's fused-head calls for this model's lm_head to our kernels."""
+    if "trl" not in sys.modules and importlib.util.find_spec("trl") is None:
+        return
+    _patched_models.add(model)
+    install()
+
+
+def unregister(model: torch.nn.Module) -> None:
+    _patched_models.discard(model)
+
+
+def install() -> None:
+    """Replace TRL's fused-head function (once). TRL 0.x has none; an untested TRL 1.x raises."""
+    global _trl_function
+    import trl
+
+    major = int(trl.__version__.split(".")[0])
+    if major < 1 or _trl_function is not None:
+        return
+    if trl.__version__ not in SUPPORTED:
+        raise RuntimeError(
+            f"fused_lm_loss: TRL {trl.__version__} is installed; its fused LM head is replaced by ours only in the "
+            f"versions this was tested with: {', '.join(SUPPORTED)} (pip install trl=={SUPPORTED[-1]}), since TRL "
+            "offers no public hook for it and its internals change between releases"
+        )
+    import trl.trainer.utils as trl_utils
+
+    _trl_function = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = FusedLogProbs
+
+
+def _owner(weight: torch.Tensor):
+    """The patched model whose lm_head weight this is, or None. Under FSDP2 TRL passes the gathered full tensor
+    of the DTensor parameter: that one is matched by its global shape and dtype."""
+    for model in list(_patched_models):
+        head = model.get_output_embeddings()
+        own = getattr(head, "weight", None)
+        if own is weight:
+            return model
+        if _is_dtensor(own) and tuple(own.shape) == tuple(weight.shape) and own.dtype == weight.dtype:
+            return model
+    return None
+
+
+def _is_dtensor(t: Any) -> bool:
+    if t is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class FusedLogProbs:
+    """Stands in for TRL's ``_ChunkedLogProbFunction``: same ``apply`` arguments and outputs."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        model = _owner(weight)
+        if model is None:
+            return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
+                                       outputs)
+        reason = _cannot_serve(weight, outputs)
+        if reason is not None:
+            _warn_once(reason, f"fused_lm_loss: {reason}: TRL's own fused LM head runs for this call")
+            return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
+                                       outputs)
+        _refuse_options(model)
+        if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype)  # cast_lm_head_to_fp32: fp32 hidden states, the head in fp32
+            bias = None if bias is None else bias.to(hidden.dtype)
+        # SFT asks for the top-1 (token accuracy) and differentiates the mean of the log-probabilities; RL trainers
+        # weight them per token. Only the cost depends on this guess (per_token.py).
+        expected = "uniform" if "is_top1" in outputs else "logprobs"
+        out = token_stats(
+            hidden, weight, targets, bias, temperature=float(temperature), logit_scale=float(logit_scale),
+            softcap=None if softcap is None else float(softcap), expected_grads=expected,
+        )
+        return (
+            out.logprobs,
+            out.entropy if "entropy" in outputs else None,
+            None,
+            None,
+            out.is_top1 if "is_top1" in outputs else None,
+        )
+
+
+def _cannot_serve(weight: torch.Tensor, outputs) -> str | None:
+    extra = [name for name in outputs if name not in _COMPUTED]
+    if extra:
+        return f"the per-token outputs {extra} are not computed by fused_lm_loss"
+    if hasattr(weight, "ds_id"):
+        return "a DeepSpeed ZeRO-3 sharded lm_head is not supported by fused_lm_loss"
+    return None
+
+
+def _refuse_options(model) -> None:
+    from .hf_patch import patched_options
+
+    opts = patched_options(model)
+    unsupported = {
+        "label_smoothing": opts.label_smoothing > 0,
+        "z_loss": opts.z_loss > 0,
+        "logits_dtype": opts.logits_dtype is not None,
+        "process_group": opts.process_group is not None,
+    }
+    names = [name for name, set_ in unsupported.items() if set_]
+    if names:
+        raise ValueError(
+            f"fused_lm_loss: the patched model's FusedLMLoss sets {', '.join(names)}, which TRL's fused LM head "
+            "cannot express (TRL's loss is computed from per-token log-probabilities). Drop those options for TRL, "
+            "or train with transformers' Trainer, where patch() applies them"
+        )
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def check_caller() -> None:
+    """With TRL 0.x loaded, a patched training forward called from its SFTTrainer raises a clear error: that
+    trainer reads outputs.logits (entropy, token accuracy), which a patched model does not compute."""
+    trl = sys.modules.get("trl")
+    if trl is None or int(getattr(trl, "__version__", "1").split(".")[0]) >= 1:
+        return
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "compute_loss" and "trl" in frame.f_code.co_filename:
+            raise RuntimeError(
+                f"fused_lm_loss: TRL {trl.__version__}'s SFTTrainer computes its metrics from outputs.logits, which a "
+                f"patched model does not compute in training. Upgrade TRL (pip install trl=={SUPPORTED[-1]}: patch() "
+                "then runs TRL's fused LM head on fused_lm_loss's kernels), or use transformers' Trainer"
+            )
+        frame = frame.f_back

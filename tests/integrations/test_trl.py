@@ -1,0 +1,183 @@
+"""TRL 1.x trainers on a patched model: TRL's fused LM head runs on our kernels, with every logged metric and the
+trained parameters equal to TRL's own head (fp32 round-off, CPU); what TRL's head cannot express is refused."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import fused_lm_loss
+import fused_lm_loss.integrations.trl as trl_integration
+
+from .hf_models import VOCAB, make_model, rel_err
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(int(trl.__version__.split(".")[0]) < 1, reason="TRL 1.x")
+
+METRICS = ("loss", "entropy", "mean_token_accuracy")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    fast = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def _rows(kind: str, n: int = 12, seed: int = 0) -> list:
+    """Pre-tokenized rows; the completion / assistant masks are what TRL makes of prompt-completion and
+    conversational datasets, and TRL turns them into labels."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, 11, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        row = {"input_ids": ids}
+        cut = int(torch.randint(1, length - 2, (1,), generator=g))
+        if kind == "completion_only":
+            row["completion_mask"] = [0] * cut + [1] * (length - cut)
+        if kind == "assistant_only":
+            row["assistant_masks"] = [0] * cut + [1] * (length - cut - 1) + [0]
+        rows.append(row)
+    return rows
+
+
+def _train(tmp_path, *, impl: str, kind: str = "plain", lora: bool = False, grad_accum: int = 1,
+           loss_fn=None, monkeypatch=None):
+    """Train 3 steps with SFTTrainer; impl: "trl" (TRL's own head), "patched_before" / "patched_after" the
+    trainer is built. Returns (log history, final parameters, our kernel calls)."""
+    model = make_model("llama")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    if impl == "patched_before":
+        fused_lm_loss.patch(model, loss_fn)
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / impl), per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
+        max_steps=3, logging_steps=1, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, learning_rate=0.5,
+        # fp32 (SFTConfig's default is bf16 autocast), and SGD (Adam would turn round-off in near-zero gradients
+        # into whole steps): so that the two heads agree to fp32 round-off
+        bf16=False, optim="sgd",
+        completion_only_loss=kind == "completion_only",
+    )
+    trainer = trl.SFTTrainer(
+        model=model, args=config, train_dataset=datasets.Dataset.from_list(_rows(kind)),
+        eval_dataset=datasets.Dataset.from_list(_rows(kind, n=4, seed=1)), processing_class=tiny_tokenizer(),
+    )
+    if impl == "patched_after":
+        fused_lm_loss.patch(trainer.model, loss_fn)
+    calls = []
+    if monkeypatch is not None:
+        original = trl_integration.token_stats
+        monkeypatch.setattr(trl_integration, "token_stats", lambda *a, **k: calls.append(1) or original(*a, **k))
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer.state.log_history, params, len(calls)
+
+
+def _assert_same_run(got, want, tol=1e-5):
+    got_logs, got_params, _ = got
+    want_logs, want_params, _ = want
+    assert len(got_logs) == len(want_logs)
+    for g, w in zip(got_logs, want_logs):
+        assert g.keys() == w.keys()
+        for key in [*METRICS, "eval_loss", "eval_entropy", "eval_mean_token_accuracy"]:
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=tol, abs=1e-7), key
+    assert got_params.keys() == want_params.keys()
+    for name, value in want_params.items():
+        assert rel_err(got_params[name], value) <= tol, name
+
+
+@pytest.mark.parametrize("when", ["patched_before", "patched_after"])
+@pytest.mark.parametrize("setup", [
+    dict(), dict(lora=True), dict(grad_accum=2), dict(kind="completion_only"), dict(kind="assistant_only"),
+], ids=["full", "lora_qv", "grad_accum", "completion_only", "assistant_only"])
+def test_sft_trainer_runs_our_kernels_with_trls_numbers(tmp_path, monkeypatch, when, setup):
+    want = _train(tmp_path, impl="trl", **setup)
+    got = _train(tmp_path, impl=when, monkeypatch=monkeypatch, **setup)
+    assert got[2] > 0  # our kernels ran: every training and eval step, through TRL's fused head
+    assert any("entropy" in log and "mean_token_accuracy" in log for log in got[0])
+    _assert_same_run(got, want)
+
+
+def test_options_trls_head_cannot_express_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="label_smoothing"):
+        _train(tmp_path, impl="patched_before", loss_fn=fused_lm_loss.FusedLMLoss(label_smoothing=0.1))
+    with pytest.raises(ValueError, match="z_loss"):
+        _train(tmp_path, impl="patched_after", loss_fn=fused_lm_loss.FusedLMLoss(z_loss=1e-4))
+
+
+def test_unpatched_models_keep_trls_own_head(monkeypatch):
+    """Only the patched model's lm_head is routed to our kernels; another model in the same process is not."""
+    patched, other = make_model("llama"), make_model("llama", seed=1)
+    fused_lm_loss.patch(patched)
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    assert _ChunkedLogProbFunction is trl_integration.FusedLogProbs
+    calls = []
+    original = trl_integration.token_stats
+    monkeypatch.setattr(trl_integration, "token_stats", lambda *a, **k: calls.append(1) or original(*a, **k))
+    hidden = torch.randn(10, 32)
+    targets = torch.randint(0, VOCAB, (10,))
+    for model, expected_calls in ((other, 0), (patched, 1)):
+        w = model.get_output_embeddings().weight
+        out = _ChunkedLogProbFunction.apply(hidden, w, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "entropy"))
+        want = torch.log_softmax(hidden @ w.T, -1).gather(1, targets[:, None]).squeeze(1)
+        assert rel_err(out[0], want) <= 1e-6 and len(calls) == expected_calls
+
+
+def test_outputs_we_do_not_compute_fall_back_with_a_warning():
+    model = fused_lm_loss.patch(make_model("llama"))
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    w = model.get_output_embeddings().weight
+    with pytest.warns(UserWarning, match="mean_logits"):
+        out = _ChunkedLogProbFunction.apply(torch.randn(4, 32), w, None, torch.randint(0, VOCAB, (4,)), 1.0, 32768,
+                                            None, 1.0, ("log_probs", "mean_logits"))
+    assert out[3] is not None  # TRL's own head computed it
+
+
+def test_trl_0x_sft_trainer_gets_a_clear_error(monkeypatch):
+    """TRL 0.x's SFTTrainer computes metrics from outputs.logits, which a patched model does not make: a clear
+    error at the first step instead of TRL's AttributeError. (A stand-in for TRL 0.29.1's call chain.)"""
+    from .hf_models import make_batch
+
+    fake = types.ModuleType("trl")
+    fake.__version__ = "0.29.1"
+    monkeypatch.setitem(sys.modules, "trl", fake)
+    model = fused_lm_loss.patch(make_model("llama"))
+    namespace = {"model": model, "batch": make_batch()}
+    code = compile("def compute_loss():\n    return model(**batch)\n", "/site-packages/trl/trainer/sft_trainer.py", "exec")
+    exec(code, namespace)
+    with pytest.raises(RuntimeError, match="outputs.logits"):
+        namespace["compute_loss"]()
+    assert model(**make_batch()).loss is not None  # called from anywhere else: trains as usual
+
+
+def test_unsupported_trl_version_fails_loudly(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.99.0")
+    monkeypatch.setattr(trl_integration, "_trl_function", None)
+    with pytest.raises(RuntimeError, match="1.99.0"):
+        fused_lm_loss.patch(make_model("llama"))
+
+
+def test_trainer_label_smoothing_factor_warns(tmp_path):
+    """Trainer(label_smoothing_factor > 0) withholds the labels from the model and smooths full logits itself:
+    the fused loss does not run, and the patched model says so."""
+    from .test_trainer import _dataset
+
+    model = fused_lm_loss.patch(make_model("llama"))
+    config = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "smooth"), per_device_train_batch_size=2, max_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, label_smoothing_factor=0.1,
+    )
+    with pytest.warns(UserWarning, match="label_smoothing_factor"):
+        transformers.Trainer(model=model, args=config, train_dataset=_dataset()).train()
