@@ -134,11 +134,18 @@ class LossStep:
         self.plan, self.row_scale, self.compute = plan, row_scale, lse is None
         self.loss = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if self.compute else None
         self.lse = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if self.compute else lse
+        self.argmax = torch.empty(plan.n_rows, dtype=torch.int64, device=device) if plan.need_argmax else None
         self.grads = [self._grad] if plan.needs.any() else []
 
     def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
         if self.compute:
             _chunk_losses(self.plan, logits, target, self.loss[start:end], self.lse[start:end])
+        if self.argmax is not None:  # token accuracy: a second read of the chunk, only when asked for
+            scratch = torch.empty((3, end - start), dtype=torch.float32, device=logits.device)
+            self.plan.backend.token_stats(
+                logits, target, scratch[0], scratch[1], scratch[2], self.argmax[start:end],
+                logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+            )
 
     def _grad(self, logits, out, target, start, end, out_lo) -> None:
         self.plan.backend.grad_logits(
@@ -149,7 +156,7 @@ class LossStep:
             grad_scale=self.plan.grad_scale,
             row_scale=None if self.row_scale is None else self.row_scale[start:end],
             out_lo=out_lo,
-            **self.plan.loss_terms,
+            **self.plan.grad_terms,
         )
 
     def from_matmul(self, plan: Plan, head: "LinearHead", rows: Rows) -> "LossStep":
@@ -231,7 +238,7 @@ def _chunk_losses(plan: Plan, logits: torch.Tensor, target: torch.Tensor, loss: 
     if plan.shard.group is None:  # the chunk holds the whole vocabulary
         plan.backend.row_losses(logits, target, loss, lse, **plan.loss_terms)
         return
-    stats = plan.backend.row_stats(
+    stats = plan.backend.row_stats(  # (class weights are refused with vocab parallelism: options.py)
         logits, target, logit_scale=plan.logit_scale, softcap=plan.softcap, need_sum=plan.need_sum
     )
     loss[:], lse[:] = loss_from_stats(  # vocab-parallel: merge the shards' statistics first

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -37,7 +37,24 @@ def lm_loss(
     grad_mode = torch.is_grad_enabled()
     needs = [grad_mode and t is not None and t.requires_grad for t in tensors]
     scale, scaling = _resolve_scaling(opts, scaling)
-    return ops.linear_cross_entropy(*tensors, labels, num_items, scale, scaling, needs, *ops.option_args(opts))[0]
+    if opts.class_weight is not None and num_items is not None:
+        raise ValueError("num_items_in_batch with class_weight: the mean divides by the summed weights of the targets "
+                         "(as F.cross_entropy); pass reduction='sum' and divide yourself to use another denominator")
+    loss, _, z_loss, token_accuracy, *_ = ops.linear_cross_entropy(
+        *tensors, labels, num_items, opts.class_weight, scale, scaling, needs, *ops.option_args(opts)
+    )
+    if opts.return_z_loss or opts.return_token_accuracy:
+        return LossOutput(loss, z_loss if opts.return_z_loss else None,
+                          token_accuracy if opts.return_token_accuracy else None)
+    return loss
+
+
+class LossOutput(NamedTuple):
+    """What FusedLMLoss returns with ``return_z_loss`` or ``return_token_accuracy`` (each None when not asked for)."""
+
+    loss: torch.Tensor  # as without the flags
+    z_loss: torch.Tensor | None  # the z-loss term inside ``loss``, reduced the same way (detached: for logging)
+    token_accuracy: torch.Tensor | None  # fraction of tokens with a loss whose label is the argmax (per token: 0/1)
 
 
 def logits_loss(
@@ -50,6 +67,8 @@ def logits_loss(
     """
     if opts.process_group is not None:
         raise ValueError("a vocab-parallel FusedLMLoss (process_group) needs hidden states, not logits")
+    if opts.class_weight is not None or opts.return_z_loss or opts.return_token_accuracy:
+        raise ValueError("class_weight, return_z_loss and return_token_accuracy need hidden states, not logits")
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be tensors")
     _reject_dtensor("logits", logits)
@@ -141,6 +160,12 @@ class FusedLMLoss(nn.Module):
         reduce_grad_input: with process_group, sum the hidden-state gradient over the group (default), or
             leave each rank's partial for frameworks whose column-parallel linear all-reduces it in backward
             (Megatron-LM's ``ColumnParallelLinear`` input).
+        class_weight: a (V,) float tensor, the weight of each class, as ``F.cross_entropy(weight=...)`` defines
+            it (with label smoothing and ignore_index as PyTorch combines them; "mean" divides by the summed
+            weights of the targets). A z-loss stays unweighted and is averaged over the tokens, as in Liger.
+        return_z_loss, return_token_accuracy: also return the z-loss term and the token accuracy (the fraction
+            of tokens with a loss whose label is the argmax), both reduced like the loss and detached: the call
+            returns a ``LossOutput(loss, z_loss, token_accuracy)``.
 
     Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None, low_rank=None)``
     with hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
@@ -174,6 +199,9 @@ class FusedLMLoss(nn.Module):
         vocab_start: int | None = None,
         vocab_size: int | None = None,
         reduce_grad_input: bool = True,
+        class_weight: torch.Tensor | None = None,
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
     ) -> None:
         super().__init__()
         self.options = LossOptions(
@@ -191,6 +219,9 @@ class FusedLMLoss(nn.Module):
             vocab_start=vocab_start,
             vocab_size=vocab_size,
             reduce_grad_input=reduce_grad_input,
+            class_weight=class_weight,
+            return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
         )
         global _made_one
         if not _made_one:
@@ -231,7 +262,8 @@ class FusedLMLoss(nn.Module):
         changed = [
             f"{f.name}={getattr(self.options, f.name)!r}"
             for f in dataclasses.fields(LossOptions)
-            if getattr(self.options, f.name) != getattr(defaults, f.name)
+            if getattr(self.options, f.name) is not getattr(defaults, f.name)
+            and getattr(self.options, f.name) != getattr(defaults, f.name)
         ]
         return ", ".join(changed)
 

@@ -48,23 +48,25 @@ def option_args(opts: LossOptions) -> tuple:
         opts.ignore_index, opts.reduction, float(opts.label_smoothing), float(opts.z_loss),
         None if opts.softcap is None else float(opts.softcap), float(opts.logit_scale), opts.chunk_size,
         opts.accum_dtype, opts.logits_dtype, distributed.group_name(opts.process_group), opts.vocab_start,
-        opts.vocab_size, opts.reduce_grad_input,
+        opts.vocab_size, opts.reduce_grad_input, opts.return_z_loss, opts.return_token_accuracy,
     )
 
 
 def _options(
     ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size, accum_dtype, logits_dtype,
-    group, vocab_start, vocab_size, reduce_grad_input,
+    group, vocab_start, vocab_size, reduce_grad_input, return_z_loss, return_token_accuracy,
 ) -> LossOptions:
+    """The LossOptions of operator arguments (the class weights travel as a tensor argument of their own)."""
     return LossOptions(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
         softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size, accum_dtype=accum_dtype,
         logits_dtype=logits_dtype, process_group=distributed.group_of(group), vocab_start=vocab_start,
-        vocab_size=vocab_size, reduce_grad_input=reduce_grad_input,
+        vocab_size=vocab_size, reduce_grad_input=reduce_grad_input, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
     )
 
 
-_OPTION_COUNT = 13
+_OPTION_COUNT = 15
 
 
 # ---- shared rules --------------------------------------------------------------------------------------
@@ -124,6 +126,7 @@ def linear_cross_entropy(
     low_rank_weight: Optional[Tensor],
     labels: Tensor,
     num_items: Optional[Tensor],
+    class_weight: Optional[Tensor],
     scale: Optional[Tensor],
     scaling: float,
     needs: Sequence[bool],
@@ -140,35 +143,86 @@ def linear_cross_entropy(
     vocab_start: Optional[int],
     vocab_size: Optional[int],
     reduce_grad_input: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, d hidden, d weight, d bias, d u, d B) of CE(softcap(s * (h @ W.T + b + u @ B.T)), labels).
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss, token_accuracy, d hidden, d weight, d bias, d u, d B) of
+    CE(softcap(s * (h @ W.T + b + u @ B.T)), labels), with class weights when given.
 
     hidden (..., H), weight (V_shard, H), bias (V_shard,), u (..., r), B (V_shard, r), labels (...) of any
-    integer dtype and any strides. loss is () for "mean"/"sum", shaped like labels (fp32) for "none"; lse
-    (N,) fp32 only for "none" with gradients (kept for the recompute), else (0,). Each gradient is made only
+    integer dtype and any strides, class_weight (V_shard,). loss is () for "mean"/"sum", shaped like labels
+    (fp32) for "none"; lse (N,) fp32 only for "none" with gradients (kept for the recompute), else (0,);
+    z_loss and token_accuracy reduced like the loss when asked for, else (0,). Each gradient is made only
     where ``needs`` says (order: hidden, weight, bias, u, B), contiguous and shaped like its input, scaled by
     ``scaling`` (or the value of ``scale``) / the mean denominator; else (0,).
     """
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
-                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input)
+                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, return_z_loss,
+                    return_token_accuracy)
     scaling = _scaling(scale, scaling)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    class_weight = _class_weight(class_weight, weight)
     grad_needs = GradNeeds(*needs)
 
     if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
-        plan = make_plan(opts, backend, shard, rows, head)
-        out = run_chunks(plan, head, rows, LossStep(plan, hidden.device)).step
-        per_token = _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape)
-        lse = _scatter_rows(out.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
-        return (per_token, lse, *(_empty(hidden) for _ in range(5)))
+        plan = make_plan(opts, backend, shard, rows, head, class_weight=class_weight)
+        step = run_chunks(plan, head, rows, LossStep(plan, hidden.device)).step
+        per_token = _scatter_rows(step.loss, rows, labels.numel()).view(labels.shape)
+        lse = _scatter_rows(step.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
+        return (per_token, lse, *_extras(opts, step, rows, labels, 1.0), *(_empty(hidden) for _ in range(5)))
 
-    denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
-    plan = make_plan(opts, backend, shard, rows, head,
-                     needs=grad_needs, grad_scale=scaling / denominator)
+    if class_weight is not None:  # the mean divides by the targets' summed weights, as F.cross_entropy
+        weight_sum = float(class_weight[rows.target].sum()) if rows.count else 0.0
+        denominator = weight_sum if reduction == "mean" else 1.0
+        # ... and the (unweighted) z-loss by the token count, as Liger: its gradient coefficient follows
+        z_denominator = float(max(rows.count, 1)) if reduction == "mean" else 1.0
+        grad_z_loss = opts.z_loss * denominator / z_denominator if denominator else 0.0
+    else:
+        denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
+        z_denominator, grad_z_loss = denominator, None
+    plan = make_plan(opts, backend, shard, rows, head, needs=grad_needs, grad_scale=scaling / denominator,
+                     class_weight=class_weight, grad_z_loss=grad_z_loss)
     out = run_chunks(plan, head, rows, LossStep(plan, hidden.device))
-    loss = out.step.loss.sum() / denominator
+    step = out.step
+    z_terms = opts.z_loss * step.lse * step.lse if opts.z_loss > 0 else None
+    if z_terms is not None and z_denominator != denominator:  # the z-loss's own denominator
+        loss = (step.loss - z_terms).sum() / denominator + z_terms.sum() / z_denominator
+    else:
+        loss = step.loss.sum() / denominator
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return (loss, _empty(loss), *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)))
+    extras = _extras(opts, step, rows, labels, z_denominator)
+    return (loss, _empty(loss), *extras, *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)))
+
+
+def _class_weight(class_weight: Tensor | None, weight: Tensor) -> Tensor | None:
+    """The class weights as the kernels read them: (V,) fp32, contiguous, on the weight's device."""
+    if class_weight is None:
+        return None
+    if class_weight.shape != (weight.shape[0],):
+        raise ValueError(f"class_weight must have one weight per class: shape ({weight.shape[0]},), got "
+                         f"{tuple(class_weight.shape)}")
+    return class_weight.to(device=weight.device, dtype=torch.float32).contiguous()
+
+
+def _extras(opts: LossOptions, step: LossStep, rows, labels: Tensor, z_denominator: float) -> tuple[Tensor, Tensor]:
+    """(z_loss, token_accuracy) reduced like the loss (detached: for logging), (0,) when not asked for. The
+    accuracy is the fraction of tokens with a loss whose label is the argmax (per token: 0 or 1)."""
+    n = labels.numel()
+    reduce = opts.reduction
+    z_value, accuracy = _empty(step.lse), _empty(step.lse)
+    if opts.return_z_loss:
+        z_terms = opts.z_loss * step.lse * step.lse
+        if reduce == "none":
+            z_value = _scatter_rows(z_terms, rows, n).view(labels.shape)
+        else:
+            z_value = z_terms.sum() / (z_denominator if reduce == "mean" else 1.0)
+    if opts.return_token_accuracy:
+        correct = (step.argmax == rows.target).float()
+        if reduce == "none":
+            accuracy = _scatter_rows(correct, rows, n).view(labels.shape)
+        else:
+            accuracy = correct.sum() / (max(rows.count, 1) if reduce == "mean" else 1.0)
+    return z_value, accuracy
 
 
 def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels):
@@ -193,10 +247,12 @@ def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor, d
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, scale, scaling, needs, *options):
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, class_weight, scale, scaling, needs,
+      *options):
     reduction = options[1]
     loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((labels.numel(),) if reduction == "none" and any(needs) else (0,), dtype=torch.float32)
+    extras = [hidden.new_empty(loss.shape if asked else (0,), dtype=torch.float32) for asked in options[-2:]]
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     opts = _options(*options)
     dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
@@ -205,7 +261,7 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, 
         x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
         for need, x, dtype in zip(needs, inputs, dtypes)
     ]
-    return (loss, lse, *grads)
+    return (loss, lse, *extras, *grads)
 
 
 def _scatter_rows(values: Tensor, rows, n: int) -> Tensor:
@@ -223,6 +279,7 @@ def linear_cross_entropy_backward(
     low_rank_input: Optional[Tensor],
     low_rank_weight: Optional[Tensor],
     labels: Tensor,
+    class_weight: Optional[Tensor],
     lse: Tensor,
     grad_per_token: Tensor,
     needs: Sequence[bool],
@@ -239,13 +296,16 @@ def linear_cross_entropy_backward(
     vocab_start: Optional[int],
     vocab_size: Optional[int],
     reduce_grad_input: bool,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of sum_i grad_per_token[i] * loss_i (reduction="none"; grad_per_token shaped like labels),
     recomputing the logits chunk by chunk from the saved inputs and the forward's lse; (0,) where not needed."""
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
-                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input)
+                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, False, False)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
-    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs))
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
+                     class_weight=_class_weight(class_weight, weight))
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
     out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=_kept(lse, rows), row_scale=row_scale))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
@@ -253,7 +313,8 @@ def linear_cross_entropy_backward(
 
 
 @linear_cross_entropy_backward.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, grad_per_token, needs, *options):
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, grad_per_token, needs,
+      *options):
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
 
@@ -385,14 +446,16 @@ def _refuse_double_backward(grad_output: Tensor | None) -> None:
 
 
 def _setup_linear(ctx, inputs, output) -> None:
-    hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, scale, scaling, needs, *options = inputs
-    loss, lse, *grads = output
+    hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, class_weight, scale, scaling, needs, *options = (
+        inputs
+    )
+    loss, lse, z_value, accuracy, *grads = output
     ctx.needs, ctx.options = tuple(needs), tuple(options)
     ctx.dtypes = tuple(None if x is None else x.dtype for x in (hidden, weight, bias, low_rank_input, low_rank_weight))
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, *grads)
+    ctx.mark_non_differentiable(lse, z_value, accuracy, *grads)
     if options[1] == "none":
-        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse)
+        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse)
     else:
         ctx.scaling = scaling
         _keep_grads(ctx, grads, scale)
@@ -416,7 +479,7 @@ def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
 
 def _backward_linear(ctx, grad_loss, *unused):
     _refuse_double_backward(grad_loss)
-    nothing = (None,) * (5 + _OPTION_COUNT)  # labels, num_items, scale, scaling, needs; the options
+    nothing = (None,) * (6 + _OPTION_COUNT)  # labels, num_items, class_weight, scale, scaling, needs; the options
     if grad_loss is None or not any(ctx.needs):
         return (None,) * 5 + nothing
     if ctx.options[1] == "none":

@@ -11,7 +11,7 @@ REDUCTIONS = ("mean", "sum", "none")
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (class_weight is a tensor: options compare by identity)
 class LossOptions:
     ignore_index: int = -100
     reduction: str = "mean"
@@ -27,6 +27,9 @@ class LossOptions:
     vocab_start: int | None = None
     vocab_size: int | None = None
     reduce_grad_input: bool = True
+    class_weight: Any = None  # a (V,) float tensor: the weight of each class, as F.cross_entropy's weight=
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -63,6 +66,17 @@ class LossOptions:
             raise ValueError(f"vocab_size must be an int >= 1, got {self.vocab_size!r}")
         if (self.vocab_start is None) != (self.vocab_size is None):
             raise ValueError("give vocab_start and vocab_size together (unequal shards), or neither (equal shards)")
+        if self.class_weight is not None:
+            weight = self.class_weight
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
+                raise ValueError(f"class_weight must be a 1-d float tensor of one weight per class, got {weight!r}")
+            if self.process_group is not None:
+                raise ValueError("class_weight is not supported with vocab parallelism (process_group)")
+        if self.return_token_accuracy and self.process_group is not None:
+            raise ValueError("return_token_accuracy is not supported with vocab parallelism (process_group)")
+        for name in ("return_z_loss", "return_token_accuracy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 def _check_real(name: str, value: Any) -> None:

@@ -68,6 +68,9 @@ class Plan:
     softcap: float | None
     label_smoothing: float
     z_loss: float
+    class_weight: torch.Tensor | None  # (V_shard,) fp32 on the device, or None
+    grad_z_loss: float  # z_loss as the gradient sees it (with class weights: rescaled, see ops.py)
+    need_argmax: bool  # the top-1 of each row (token accuracy)
     # rows and chunks
     n_rows: int
     chunk_rows: int
@@ -96,14 +99,22 @@ class Plan:
 
     @property
     def loss_terms(self) -> dict:
-        """Keyword arguments of the backend's loss and gradient steps."""
-        return dict(
+        """Keyword arguments of the backend's loss step."""
+        terms = dict(
             logit_scale=self.logit_scale,
             softcap=self.softcap,
             label_smoothing=self.label_smoothing,
             z_loss=self.z_loss,
             vocab_size=self.shard.total,
         )
+        if self.class_weight is not None:
+            terms["class_weight"] = self.class_weight
+        return terms
+
+    @property
+    def grad_terms(self) -> dict:
+        """Keyword arguments of the backend's loss-gradient step."""
+        return {**self.loss_terms, "z_loss": self.grad_z_loss}
 
 
 def make_plan(
@@ -117,6 +128,8 @@ def make_plan(
     grad_scale: float = 1.0,
     components: int = 1,
     epilogue_stats: bool = True,
+    class_weight: torch.Tensor | None = None,
+    grad_z_loss: float | None = None,
 ) -> Plan:
     """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
     an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
@@ -124,7 +137,9 @@ def make_plan(
     operands of a statistics-epilogue matmul (``stats_operands``), whether its logits already carry the
     model's softcap / scale (``transformed``), and the bytes its per-chunk row copies take (``row_bytes``).
     ``components``: gradients the step makes per chunk (when ``needs`` has any); ``epilogue_stats``: whether
-    the step's statistics are the loss's, which a no-grad forward may take from the matmul epilogue.
+    the step's statistics are the loss's, which a no-grad forward may take from the matmul epilogue;
+    ``class_weight``: the (V_shard,) fp32 class weights on the device; ``grad_z_loss``: the z-loss coefficient
+    of the gradient when it differs from the loss's (class weights divide the z-loss by the token count).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
@@ -135,8 +150,10 @@ def make_plan(
     weight_dtype = matmul_dtype if weight is None else weight.dtype
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
+    need_argmax = epilogue_stats and opts.return_token_accuracy
     stats_in_matmul = (
-        epilogue_stats and not needs.any() and operands is not None and backend.supports_stats_in_matmul(*operands)
+        epilogue_stats and not needs.any() and operands is not None and class_weight is None and not need_argmax
+        and backend.supports_stats_in_matmul(*operands)
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
@@ -170,6 +187,9 @@ def make_plan(
         softcap=None if head.transformed else opts.softcap,
         label_smoothing=opts.label_smoothing,
         z_loss=opts.z_loss,
+        class_weight=class_weight,
+        grad_z_loss=opts.z_loss if grad_z_loss is None else grad_z_loss,
+        need_argmax=need_argmax,
         n_rows=n_rows,
         chunk_rows=chunk_rows,
         stats_in_matmul=stats_in_matmul,

@@ -51,7 +51,9 @@ def row_stats(
     logit_scale: float,
     softcap: float | None,
     need_sum: bool,
+    class_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum-exp, target logit, logit sum) per row; the sum is weighted by ``class_weight`` when given."""
     z, _ = _loss_space(logits, logit_scale, softcap)
     row_max = z.amax(dim=1)
     # A row of -inf only: exponents relative to 0, not to its -inf max (-inf - -inf = NaN), so sum-exp 0 and
@@ -61,7 +63,10 @@ def row_stats(
     has_target = target >= 0
     target_logit = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
     target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))
-    logit_sum = z.sum(dim=1) if need_sum else torch.zeros_like(row_max)
+    if not need_sum:
+        logit_sum = torch.zeros_like(row_max)
+    else:
+        logit_sum = (z if class_weight is None else z * class_weight).sum(dim=1)
     return row_max, row_sumexp, target_logit, logit_sum
 
 
@@ -74,15 +79,27 @@ def loss_from_stats(
     label_smoothing: float,
     z_loss: float,
     vocab_size: int,
+    target_weight: torch.Tensor | None = None,
+    weight_sum: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and lse (fp32) from row statistics over the whole vocabulary::
 
-    loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
+        loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
+
+    With class weights w (``target_weight`` = w_t per row, ``weight_sum`` = sum_j w_j, and ``logit_sum`` the
+    weighted sum_j w_j z_j), as F.cross_entropy combines them with smoothing::
+
+        loss = (1 - eps) * w_t * (lse - z_t) + (eps / V) * (weight_sum * lse - sum_j w_j z_j) + z_loss * lse**2
     """
     lse = row_max + torch.log(row_sumexp)
-    loss = lse - (1.0 - label_smoothing) * target_logit
-    if label_smoothing > 0:
-        loss -= (label_smoothing / vocab_size) * logit_sum
+    if target_weight is None:
+        loss = lse - (1.0 - label_smoothing) * target_logit
+        if label_smoothing > 0:
+            loss -= (label_smoothing / vocab_size) * logit_sum
+    else:
+        loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
+        if label_smoothing > 0:
+            loss += (label_smoothing / vocab_size) * (weight_sum * lse - logit_sum)
     if z_loss > 0:
         loss += z_loss * lse * lse
     return loss, lse
@@ -99,9 +116,13 @@ def row_losses(
     label_smoothing: float,
     z_loss: float,
     vocab_size: int,
+    class_weight: torch.Tensor | None = None,
 ) -> None:
-    stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0)
-    loss, lse = loss_from_stats(*stats, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size)
+    """Per-row loss and lse of a chunk holding the whole vocabulary (class weights: ``loss_from_stats``)."""
+    stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0,
+                      class_weight=class_weight)
+    weights = {} if class_weight is None else dict(target_weight=class_weight[target], weight_sum=class_weight.sum())
+    loss, lse = loss_from_stats(*stats, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size, **weights)
     loss_out.copy_(loss)
     lse_out.copy_(lse)
 
@@ -120,11 +141,23 @@ def grad_logits(
     vocab_size: int,
     z_loss: float,
     out_lo: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
 ) -> None:
+    """d(loss)/d(logits) (kernels/grad_logits.py); with class weights w (see ``loss_from_stats``)::
+
+        dz_j = p_j ((1 - eps) w_t + eps W / V + 2 z_loss lse) - (1 - eps) w_t [j = t] - (eps / V) w_j
+    """
     z, capped = _loss_space(logits, logit_scale, softcap)
-    grad = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab_size
+    p = torch.exp(z - lse[:, None])
     rows = torch.nonzero(target >= 0).squeeze(1)
-    grad[rows, target[rows]] -= 1.0 - label_smoothing
+    if class_weight is None:
+        grad = p * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab_size
+        grad[rows, target[rows]] -= 1.0 - label_smoothing
+    else:
+        w_t = torch.where(target >= 0, class_weight[target.clamp(min=0)], torch.zeros_like(lse))
+        coefficient = (1.0 - label_smoothing) * w_t + label_smoothing * class_weight.sum() / vocab_size
+        grad = p * (coefficient + 2.0 * z_loss * lse)[:, None] - (label_smoothing / vocab_size) * class_weight
+        grad[rows, target[rows]] -= (1.0 - label_smoothing) * w_t[rows]
     scale = torch.full_like(lse, grad_scale * logit_scale) if row_scale is None else row_scale * (grad_scale * logit_scale)
     grad *= scale[:, None]
     if capped is not None:

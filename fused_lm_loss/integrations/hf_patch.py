@@ -194,6 +194,12 @@ def _merge_options(user: LossOptions, model_options: dict, grad_scaler: Any, mod
             )
     if user.process_group is not None:
         raise ValueError("patch() does not handle a vocab-parallel FusedLMLoss (process_group); use the core API")
+    if user.return_z_loss or user.return_token_accuracy:
+        raise ValueError("patch(): the model returns its loss; return_z_loss / return_token_accuracy are for direct "
+                         "FusedLMLoss calls")
+    if user.class_weight is not None:
+        raise ValueError("patch(): transformers divides the loss by num_items_in_batch, a token count, which class "
+                         "weights redefine; use FusedLMLoss(class_weight=...) on the hidden states directly")
     scaler = grad_scaler if user.grad_scaler is None else user.grad_scaler
     return dataclasses.replace(user, **model_options, grad_scaler=scaler)
 
