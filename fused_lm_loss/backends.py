@@ -70,6 +70,18 @@ class Backend(Protocol):
                        vocab_size: int = 1):
         """Merge (4, segments, rows) partials into statistics, or into loss and lse."""
 
+    def token_stats(self, logits: torch.Tensor, target: torch.Tensor, logprob_out: torch.Tensor,
+                    entropy_out: torch.Tensor, lse_out: torch.Tensor, argmax_out: torch.Tensor | None, *,
+                    logit_scale: float, softcap: float | None) -> None:
+        """Per row of a chunk holding the whole vocabulary (``target`` >= 0): log p(target), entropy and lse
+        (fp32), and the first argmax (int64; skipped when ``argmax_out`` is None)."""
+
+    def token_grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                          entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
+                          grad_entropy: torch.Tensor | None, *, logit_scale: float, softcap: float | None) -> None:
+        """d(sum a * logprob + b * entropy)/d(logits) into ``out`` (may be ``logits`` itself) for per-row weights
+        a = ``grad_logprob``, b = ``grad_entropy`` (fp32, or None: that term absent)."""
+
 
 _chosen: str | None = None  # set by use_backend(); None: the environment variable, else the device decides
 

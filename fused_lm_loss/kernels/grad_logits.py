@@ -23,6 +23,10 @@ reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row o
 -inf logits need no special case here: p = exp(-inf - lse) = 0, and with softcap tanh(-inf) = -1 exactly,
 so dz/dx = 0, as autograd gives. A row whose lse is -inf (all its logits -inf) gets NaN, as in PyTorch.
 Float scalars are cast to fp32 first (torch.compile passes Python floats as fp64).
+
+``token_grad_logits`` is the same kind of kernel for the per-token outputs of ``token_stats`` (log-probability
+of the label and entropy, with per-row weights a and b): dz_j = a (delta_jt - p_j) + b p_j (E - z_j), with
+E = lse - entropy the mean logit; formula and -inf handling in its docstring.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from .softcap import tanh
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
 LOG2E = tl.constexpr(1.4426950408889634)
+# token_grad_logits: logits more than 2^64 below the mean logit are raised to it (their p is 0 either way)
+CLAMP_BELOW_MEAN = tl.constexpr(1.8446744073709552e19)
 
 
 @triton.jit
@@ -144,4 +150,112 @@ def grad_logits(
         SPLIT=out_lo is not None,
         BLOCK_V=block_v,
         num_warps=4 if softcap is not None or block_v < 2048 else 8,  # softcap: 4 warps 10% faster (NOTES.md)
+    )
+
+
+@triton.jit
+def _token_grad_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    n_cols,
+    logit_scale,
+    u_per_x,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LOGPROB: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """See ``token_grad_logits``; one program per (row, BLOCK_V columns)."""
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    if HAS_SOFTCAP:
+        capped = tanh(x * u_per_x)  # u_per_x = logit_scale / softcap
+        z = softcap * capped
+    else:
+        z = x * logit_scale
+    p = tl.exp2((z - lse) * LOG2E)
+    if HAS_LOGPROB:
+        a = tl.load(grad_logprob_ptr + row)
+        if HAS_ENTROPY:
+            mean_z = lse - tl.load(entropy_ptr + row)  # E_p[z] = lse - entropy
+            # p (b (E - z) - a): z raised to E - 2^64 first, so that a -inf logit gives p * finite = 0, not
+            # 0 * inf (any z that low has p = exp(z - lse) = 0 already, lse >= E); p NaN (a row of -inf only)
+            # gives NaN, as -a p does in the twin
+            clamped = tl.maximum(z, mean_z - CLAMP_BELOW_MEAN)
+            grad = p * tl.fma(tl.load(grad_entropy_ptr + row), mean_z - clamped, -a)
+        else:
+            grad = p * -a
+        # compared as int32 (a column < V < 2^31): one compare per element instead of a 64-bit one
+        grad = tl.where(cols == tl.load(target_ptr + row).to(tl.int32), grad + a, grad)
+    elif HAS_ENTROPY:
+        mean_z = lse - tl.load(entropy_ptr + row)
+        # b p (E - z), 0 where p is not positive: at a -inf logit (0 * inf), and in a row of -inf only (p NaN)
+        grad = tl.where(p > 0.0, (tl.load(grad_entropy_ptr + row) * p) * (mean_z - z), 0.0)
+    else:
+        grad = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    grad = grad * logit_scale
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
+    store_grad(grad_ptr, grad_ptr, row * grad_row_stride + cols, grad, mask, False)
+
+
+def token_grad_logits(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+) -> None:
+    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a (rows, V) chunk holding the whole vocabulary
+    (``token_stats``), a = grad_logprob, b = grad_entropy ((rows,) fp32, or None: no such term), into ``out``
+    (which may be ``logits`` itself), in out's dtype. With p = exp(z - lse) and E = lse - entropy = E_p[z]::
+
+        dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (b p_j (E - z_j) = 0 where p_j = 0)
+
+    then dz/dx as in ``grad_logits`` (logit_scale; times 1 - tanh^2 with softcap). A row that is all -inf
+    (lse -inf, p NaN) gets NaN from the a term, and 0 from the b term alone, as the PyTorch twin."""
+    rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "token_grad_logits")
+    if rows == 0:
+        return
+    assert logits.stride(1) == 1 and out.stride(1) == 1
+    for per_row in (lse, entropy, grad_logprob, grad_entropy):
+        assert per_row is None or (per_row.shape == (rows,) and per_row.stride(0) == 1)
+    block_v = min(triton.next_power_of_2(n_cols), 2048)
+    _token_grad_kernel[(rows, triton.cdiv(n_cols, block_v))](
+        logits,
+        logits.stride(0),
+        out,
+        out.stride(0),
+        target,
+        lse,
+        entropy,
+        grad_logprob if grad_logprob is not None else lse,
+        grad_entropy if grad_entropy is not None else lse,
+        n_cols,
+        *scale_args(logit_scale, softcap),
+        HAS_SOFTCAP=softcap is not None,
+        HAS_LOGPROB=grad_logprob is not None,
+        HAS_ENTROPY=grad_entropy is not None,
+        BLOCK_V=block_v,
+        num_warps=4 if softcap is not None or block_v < 2048 else 8,  # as grad_logits (not measured here)
     )

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 FLOATS = {"logit_scale", "u_per_x", "softcap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
 POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "target_ptr": "*i64",
             "bias_ptr": "*fp16", "labels_ptr": "*i64", "positions_ptr": "*i64", "targets_ptr": "*i64",
-            "summary_ptr": "*i64"}
+            "summary_ptr": "*i64", "arg_ptr": "*i32"}
 DESCRIPTORS = {"h_desc": "tensordesc<fp16[128, 64]>", "w_desc": "tensordesc<fp16[256, 64]>"}
 KERNELS = [
     ("row_stats", "_segment_stats_kernel",
@@ -44,6 +44,14 @@ KERNELS = [
      dict(HAS_SOFTCAP=True, PER_ROW_SCALE=True, SPLIT=True, BLOCK_V=2048)),
     ("grad_logits", "_grad_logits_kernel",
      dict(HAS_SOFTCAP=False, PER_ROW_SCALE=False, SPLIT=False, BLOCK_V=2048)),
+    ("token_stats", "_token_segment_kernel",
+     dict(HAS_SOFTCAP=True, NEED_ARGMAX=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
+    ("token_stats", "_token_segment_kernel",
+     dict(HAS_SOFTCAP=False, NEED_ARGMAX=False, SEGMENT_COLS=16384, BLOCK_V=2048)),
+    ("grad_logits", "_token_grad_kernel",
+     dict(HAS_SOFTCAP=True, HAS_LOGPROB=True, HAS_ENTROPY=True, BLOCK_V=2048)),
+    ("grad_logits", "_token_grad_kernel",
+     dict(HAS_SOFTCAP=False, HAS_LOGPROB=False, HAS_ENTROPY=True, BLOCK_V=2048)),
     ("matmul_stats", "_matmul_stats_kernel",
      dict(HAS_BIAS=True, HAS_SCALE=True, ROUND_TO_BF16=False, ROUND_TO_FP16=True, HAS_SOFTCAP=True, NEED_SUM=True,
           BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
@@ -133,7 +141,7 @@ def test_kernels_compile_with_fp64_scalars_and_compute_in_fp32():
     if run.returncode != 0 or not lines:
         pytest.fail(f"the compile script failed:\n{run.stderr[-4000:]}")
     results = json.loads(lines[0][len("RESULTS "):])
-    assert len(results) == 7
+    assert len(results) == 11
     for result in results:
         assert result["floats"], result  # the kernel has float scalars, and they were fp64
         assert result["error"] is None, result
@@ -201,3 +209,31 @@ def test_matmul_partials_under_torch_compile():
 
     for got, want in zip(_compiled(losses)(hidden, weight, target), losses(hidden, weight, target)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@requires_cuda
+def test_token_stats_and_token_grad_logits_under_torch_compile():
+    from fused_lm_loss.kernels import token_grad_logits, token_stats
+
+    rows, vocab = 6, 3000
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    a, b = torch.randn(rows, device="cuda"), torch.randn(rows, device="cuda")
+
+    def stats(logits, target):
+        logprob, entropy, lse = (torch.empty(rows, device="cuda") for _ in range(3))
+        argmax = torch.empty(rows, dtype=torch.int64, device="cuda")
+        token_stats(logits, target, logprob, entropy, lse, argmax, logit_scale=0.7, softcap=30.0)
+        return logprob, entropy, lse, argmax
+
+    def grad(logits, target, lse, entropy, a, b):
+        out = torch.empty_like(logits)
+        token_grad_logits(logits, out, target, lse, entropy, a, b, logit_scale=0.7, softcap=30.0)
+        return out
+
+    eager = stats(logits, target)
+    for got, want in zip(_compiled(stats)(logits, target), eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    lse, entropy = eager[2], eager[1]
+    args = (logits, target, lse, entropy, a, b)
+    torch.testing.assert_close(_compiled(grad)(*args), grad(*args), rtol=0, atol=0)

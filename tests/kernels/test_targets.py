@@ -6,7 +6,9 @@ import torch
 from ..conftest import requires_triton
 
 pytestmark = requires_triton
-from fused_lm_loss.kernels import grad_logits, matmul_stats, row_losses, row_stats  # noqa: E402
+from fused_lm_loss.kernels import (  # noqa: E402
+    grad_logits, matmul_stats, row_losses, row_stats, token_grad_logits, token_stats,
+)
 
 ROWS, VOCAB = 4, 32
 
@@ -32,6 +34,12 @@ def _launchers():
     yield "row_losses", lambda t: row_losses(logits, t, loss, lse, **losses)
     yield "grad_logits", lambda t: grad_logits(logits, torch.empty_like(logits), t, lse, grad_scale=1.0,
                                                row_scale=None, **losses)
+    stats = torch.empty(3, ROWS)
+    yield "token_stats", lambda t: token_stats(logits, t, stats[0], stats[1], stats[2],
+                                               torch.empty(ROWS, dtype=torch.int64), logit_scale=1.0, softcap=None)
+    weights = torch.ones(ROWS)
+    yield "token_grad_logits", lambda t: token_grad_logits(logits, torch.empty_like(logits), t, lse, torch.zeros(ROWS),
+                                                           weights, weights, logit_scale=1.0, softcap=None)
     hidden, weight = torch.randn(ROWS, 64, dtype=torch.float16), torch.randn(VOCAB, 64, dtype=torch.float16)
     if matmul_stats.supported(hidden, weight):
         yield "matmul_partials", lambda t: matmul_stats.matmul_partials(
@@ -46,7 +54,7 @@ def test_launchers_refuse_bad_targets(case):
         names.append(name)
         with pytest.raises(ValueError, match=f"{name}: target must be a contiguous 1-d int64 tensor of {ROWS} rows"):
             launch(target)
-    assert {"row_stats", "row_losses", "grad_logits"} <= set(names)
+    assert {"row_stats", "row_losses", "grad_logits", "token_stats", "token_grad_logits"} <= set(names)
 
 
 def test_launchers_take_good_targets():

@@ -1,0 +1,278 @@
+"""Triton kernels: per-token log-probability of the label, entropy, lse and argmax of one logits chunk.
+
+For a (rows, V) chunk that holds the whole vocabulary, with z the fp32 loss-space logits of row i (scale and
+softcap as in ``row_stats``), p = softmax(z) and t = target[i] (>= 0)::
+
+    lse     = log sum_j exp(z_j)
+    logprob = z_t - lse
+    entropy = lse - sum_j p_j z_j            (p_j z_j = 0 where p_j = 0: a -inf logit carries nothing)
+    argmax  = the first j with z_j = max_k z_k  (ties: the lowest column, as torch.argmax)
+
+Relative to the row maximum m, with e_j = exp(z_j - m), s = sum_j e_j and w = sum_j e_j (z_j - m) (<= 0)::
+
+    lse = m + log s        logprob = (z_t - m) - log s        entropy = log s - w / s
+
+so that entropy is a sum of two non-negative terms (no cancellation of lse against the mean logit), and
+logprob does not round through lse.
+
+As ``row_stats``, one program per (row, SEGMENT_COLS-column segment) reads its segment once, online over
+blocks of BLOCK_V columns (``online_token_stats``), and writes the partials (m, s, w) and the segment's first
+argmax; a second, small kernel merges a row's segments, BLOCK_SEGMENTS at a time, and writes the four outputs.
+Moving the reference of (s, w) from m to m' >= m::
+
+    s' = k s        w' = k (w + (m - m') s)        with k = exp(m - m')
+
+is how blocks are merged inside a segment and segments in the merge. The argmax of a block is the lowest
+column holding the block's maximum, looked for only in a block whose maximum is strictly larger than the
+running one (so ties keep the earlier column); segments are merged the same way.
+
+Partials: a (3 * segments + 1, rows) fp32 buffer, m, s, w, each (segments, rows), then the row's target logit
+(written by segment 0); the segments' argmax (int32 columns) in a (segments, rows) buffer of its own.
+
+-inf logits give what PyTorch gives. A block or a segment that is all -inf has m = -inf, s = w = 0 (the
+reference is 0 instead of -inf, as in ``row_stats``) and merges as nothing; a -inf logit's weighted term
+e_j (z_j - m) is 0, not 0 * inf = NaN (its exponent is clamped to -FLT_MAX: e_j = 0 times a finite number), and
+the rebase of an empty state likewise (its (m - m') s is clamped, or its exponent difference capped at 0). A row
+that is all -inf but its target has lse = z_t, logprob 0 and entropy 0 (to fp32 round-off, ~6e-8: the kernel's
+s of the one element is 2^r 2^-r, r the residual of ``online_token_stats``); a row that is all -inf has lse
+-inf, logprob NaN, entropy -inf (lse - 0: no p is positive) and argmax 0; a -inf target logit gives logprob
+-inf. (NaN logits give NaN statistics; their argmax, which torch puts at the first NaN, is some column of the
+row here.)
+
+Float scalars are cast to fp32 at the top of each kernel (torch.compile passes Python floats as fp64); row
+offsets are int64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .args import check_target, scale_args
+from .row_stats import LOG2E, loss_space, target_logit
+
+#: Columns per program, as ``row_stats.SEGMENT_COLS`` (16384 bf16 values = 32 KiB per row segment).
+SEGMENT_COLS = 16384
+# Exponents are clamped to -FLT_MAX: 2^t * t is 2^t * t for every finite t, and 0 (not NaN) at t = -inf.
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+INT32_MAX = tl.constexpr(2147483647)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def online_token_stats(
+    row_ptr,
+    n_cols,
+    logit_scale,
+    u_per_x,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """(m, s, w, first argmax) of one row segment's loss-space logits (see the module docstring), one read.
+    All -inf: m = -inf, s = w = 0, argmax 0.
+
+    Inside the loop s and w are kept in base 2, relative to c = fl(m * LOG2E), so that each element's exponent
+    is one FFMA, t = fma(z, LOG2E, -c), and serves as its own weight: s = sum 2^t, w = sum 2^t t. With the
+    exact rounding residual r = m * LOG2E - c = fma(m, LOG2E, -c) the segment's s and w are then moved to
+    base e relative to m itself (s <- 2^-r s, w <- 2^-r (w - r s) ln 2), so c rounds nothing away."""
+    offsets = tl.arange(0, BLOCK_V)
+    running_max = float("-inf")
+    running_ref = 0.0  # c, base-2 reference of s and w: fl(m * LOG2E), 0 while all -inf
+    running_sumexp = 0.0
+    running_wsum = 0.0
+    running_arg = 0
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + offsets
+        mask = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        block_max = tl.max(z, axis=0)
+        new_max = tl.maximum(running_max, block_max)
+        # While the segment is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select.
+        new_ref = tl.where(new_max == float("-inf"), 0.0, new_max * LOG2E)
+        # -inf logits: t = -FLT_MAX, 2^t = 0 and 2^t t = 0 (not 0 * -inf = NaN)
+        t = tl.maximum(tl.fma(z, LOG2E, -new_ref), NEG_FLT_MAX)
+        e = tl.exp2(t)
+        block_sumexp = tl.sum(e, axis=0)
+        block_wsum = tl.sum(e * t, axis=0)
+        # c only grows, but from the all -inf state (s = w = 0) it may fall: the min keeps 2^delta finite there
+        delta = tl.minimum(running_ref - new_ref, 0.0)
+        rescale = tl.exp2(delta)
+        running_wsum = rescale * (running_wsum + delta * running_sumexp) + block_wsum
+        running_sumexp = running_sumexp * rescale + block_sumexp
+        if NEED_ARGMAX:
+            # Only a block with a strictly larger maximum moves the argmax (ties keep the earlier column), and only
+            # then is its first column holding the maximum looked for (a uniform branch: scalar condition).
+            if block_max > running_max:
+                running_arg = tl.min(tl.where(z == block_max, cols, INT32_MAX), axis=0)
+        running_max = new_max
+        running_ref = new_ref
+    residual = tl.where(running_max == float("-inf"), 0.0, tl.fma(running_max, LOG2E, -running_ref))
+    rescale = tl.exp2(-residual)
+    wsum = (rescale * (running_wsum - residual * running_sumexp)) * LN2
+    return running_max, running_sumexp * rescale, wsum, running_arg
+
+
+@triton.jit
+def _token_segment_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    partial_ptr,
+    arg_ptr,
+    n_rows,
+    n_cols,
+    logit_scale,
+    u_per_x,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr,
+    SEGMENT_COLS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """partial[k * segments + segment, row] for k = (m, s, w), partial[3 * segments, row] = z_t (segment 0),
+    arg[segment, row] = the segment's first argmax column (NEED_ARGMAX)."""
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    u_per_x = tl.cast(u_per_x, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    row_ptr = logits_ptr + row * logits_row_stride
+    first_col = segment * SEGMENT_COLS
+    seg_max, seg_sumexp, seg_wsum, seg_arg = online_token_stats(
+        row_ptr + first_col,
+        tl.minimum(n_cols - first_col, SEGMENT_COLS),
+        logit_scale,
+        u_per_x,
+        softcap,
+        HAS_SOFTCAP,
+        NEED_ARGMAX,
+        BLOCK_V,
+    )
+    stat_stride = n_segments * n_rows
+    out = partial_ptr + segment * n_rows + row
+    tl.store(out, seg_max)
+    tl.store(out + stat_stride, seg_sumexp)
+    tl.store(out + 2 * stat_stride, seg_wsum)
+    if NEED_ARGMAX:
+        tl.store(arg_ptr + segment * n_rows + row, first_col + seg_arg)
+    if segment == 0:
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        tl.store(partial_ptr + 3 * stat_stride + row, z_target)
+
+
+@triton.jit
+def _token_merge_kernel(
+    partial_ptr,
+    arg_ptr,
+    logprob_ptr,
+    entropy_ptr,
+    lse_ptr,
+    argmax_ptr,
+    n_rows,
+    n_segments,
+    NEED_ARGMAX: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_SEGMENTS: tl.constexpr,
+):
+    """The four outputs of BLOCK_ROWS rows from their segments' partials, merged BLOCK_SEGMENTS at a time,
+    online (formulas in the module docstring). Segments that are all -inf (m = -inf, s = w = 0) add nothing."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    stat_stride = n_segments * n_rows
+    row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
+    row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    row_wsum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    row_arg = tl.zeros((BLOCK_ROWS,), dtype=tl.int32)
+    for first in range(0, n_segments, BLOCK_SEGMENTS):
+        segments = first + tl.arange(0, BLOCK_SEGMENTS)
+        offsets = segments[:, None] * n_rows + rows[None, :]
+        mask = (segments[:, None] < n_segments) & row_mask[None, :]
+        seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
+        seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
+        seg_wsum = tl.load(partial_ptr + 2 * stat_stride + offsets, mask=mask, other=0.0)
+        block_max = tl.max(seg_max, axis=0)
+        new_max = tl.maximum(row_max, block_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
+        seg_rescale = tl.exp(seg_max - shift[None, :])
+        seg_wsum = seg_rescale * (seg_wsum + tl.maximum(seg_max - shift[None, :], NEG_FLT_MAX) * seg_sumexp)
+        rescale = tl.exp(row_max - shift)
+        row_wsum = rescale * (row_wsum + tl.maximum(row_max - shift, NEG_FLT_MAX) * row_sumexp)
+        row_wsum += tl.sum(seg_wsum, axis=0)
+        row_sumexp = row_sumexp * rescale + tl.sum(seg_sumexp * seg_rescale, axis=0)
+        if NEED_ARGMAX:
+            seg_arg = tl.load(arg_ptr + offsets, mask=mask, other=INT32_MAX)
+            block_arg = tl.min(tl.where(seg_max == block_max[None, :], seg_arg, INT32_MAX), axis=0)
+            row_arg = tl.where(block_max > row_max, block_arg, row_arg)  # ties keep the earlier segment
+        row_max = new_max
+    # rows past the end: s = 1 keeps log() quiet (nothing is stored)
+    row_sumexp = tl.where(row_mask, row_sumexp, 1.0)
+    log_sumexp = tl.log(row_sumexp)
+    z_target = tl.load(partial_ptr + 3 * stat_stride + rows, mask=row_mask, other=0.0)
+    tl.store(lse_ptr + rows, row_max + log_sumexp, mask=row_mask)
+    tl.store(logprob_ptr + rows, (z_target - row_max) - log_sumexp, mask=row_mask)
+    # s = 0 only for an all -inf row (w = 0 too): entropy = log 0 - 0 = -inf, as lse - 0
+    tl.store(entropy_ptr + rows, log_sumexp - row_wsum / tl.where(row_sumexp > 0.0, row_sumexp, 1.0), mask=row_mask)
+    if NEED_ARGMAX:
+        tl.store(argmax_ptr + rows, row_arg.to(tl.int64), mask=row_mask)
+
+
+def token_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    logprob_out: torch.Tensor,
+    entropy_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    argmax_out: torch.Tensor | None,
+    *,
+    logit_scale: float,
+    softcap: float | None,
+) -> None:
+    """Per row of a (rows, V) chunk holding the whole vocabulary: log p(target), entropy, lse into the (rows,)
+    fp32 outputs and the first argmax into ``argmax_out`` (int64; skipped when None). ``target`` >= 0."""
+    rows, n_cols = logits.shape
+    check_target(target, rows, logits.device, "token_stats")
+    if rows == 0:
+        return
+    assert logits.stride(1) == 1
+    outputs = (logprob_out, entropy_out, lse_out) + ((argmax_out,) if argmax_out is not None else ())
+    assert all(out.shape == (rows,) and out.stride(0) == 1 for out in outputs)
+    need_argmax = argmax_out is not None
+    n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
+    partial = torch.empty((3 * n_segments + 1, rows), dtype=torch.float32, device=logits.device)
+    arg = torch.empty((n_segments, rows), dtype=torch.int32, device=logits.device) if need_argmax else partial
+    _token_segment_kernel[(rows, n_segments)](
+        logits,
+        logits.stride(0),
+        target,
+        partial,
+        arg,
+        rows,
+        n_cols,
+        *scale_args(logit_scale, softcap),
+        HAS_SOFTCAP=softcap is not None,
+        NEED_ARGMAX=need_argmax,
+        SEGMENT_COLS=SEGMENT_COLS,
+        BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
+        # As row_stats (not measured for this kernel): 2 warps, 4 with softcap. No spills in an sm90 compile (triton
+        # 3.9): 55 registers at 2 warps, 72 with the argmax; 48 with softcap at 4 warps
+        num_warps=4 if softcap is not None else 2,
+    )
+    block_rows = 32
+    _token_merge_kernel[(triton.cdiv(rows, block_rows),)](
+        partial,
+        arg,
+        logprob_out,
+        entropy_out,
+        lse_out,
+        argmax_out if need_argmax else lse_out,
+        rows,
+        n_segments,
+        NEED_ARGMAX=need_argmax,
+        BLOCK_ROWS=block_rows,
+        BLOCK_SEGMENTS=min(triton.next_power_of_2(n_segments), 64),
+    )
