@@ -23,6 +23,11 @@ the inputs and the gradient tensors, for:
   trl_head     TRL's fused LM head kernel (trl.kernels.chunked_logprob.ChunkedLogProbFunction), called as
                add_fused_lm_head does for SFT (on CUDA only the non-ignored rows, log-probs only; loss =
                -sum(log_probs) / count), when importable (benchmarks/peers.py)
+  token_sft    fused_lm_loss.token_stats(expected_grads="uniform"), loss = -sum(logprobs) / count: the
+               per-token path with uniform per-token gradients (what SFTTrainer's head becomes when patched)
+  token_rl, trl_rl   sum(a * logprobs) with fixed random per-token weights a (RL advantages), through
+               token_stats and through TRL's head; in the frozen-head scenario the per-row gradients are
+               formed in forward (token_stats) where TRL's head recomputes
 Accuracy: relative error (L2 norm) of loss, dX and dW against a float64 computation of the same inputs.
 Data: logits std ~4 with labels sampled from the model's own softmax ("realistic"), or near-uniform
 logits; a fraction of labels set to -100.
@@ -47,7 +52,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import peers  # noqa: E402  (benchmarks/peers.py)
-from fused_lm_loss import FusedLMLoss  # noqa: E402
+from fused_lm_loss import FusedLMLoss, token_stats  # noqa: E402
 
 SHAPES = {
     "llama3-8b": (8192, 4096, 128256),
@@ -174,6 +179,34 @@ def load_peers(env):
     return found
 
 
+def impl_token_sft(x, w, y, scaling):
+    out = token_stats(x, w, y, expected_grads="uniform")
+    return -out.logprobs.sum() / (y != -100).sum().clamp(min=1)
+
+
+_token_weights: dict = {}
+
+
+def rl_weights(y: torch.Tensor) -> torch.Tensor:
+    """Fixed per-token weights for the RL rows (advantage-like: positive and negative, mean ~0), one set per
+    label tensor."""
+    key = (y.data_ptr(), y.shape)
+    if key not in _token_weights:
+        gen = torch.Generator(device=y.device).manual_seed(1)
+        _token_weights.clear()
+        _token_weights[key] = torch.randn(y.shape, device=y.device, generator=gen) / max(y.numel(), 1)
+    return _token_weights[key]
+
+
+def impl_token_rl(x, w, y, scaling):
+    return (token_stats(x, w, y).logprobs * rl_weights(y)).sum()
+
+
+def peer_trl_rl():
+    module = peers.trl_kernel()
+    return lambda x, w, y, scaling: peers.trl_weighted_logprobs(module, x, w, y, rl_weights(y))
+
+
 def implementations(env, include_variants=True):
     impls = {"fused": impl_fused()}
     if include_variants:
@@ -184,6 +217,10 @@ def implementations(env, include_variants=True):
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         impls["torch_chunked"] = impl_torch_chunked
     impls.update(load_peers(env))
+    impls["token_sft"] = impl_token_sft
+    impls["token_rl"] = impl_token_rl
+    if "trl_head" in impls:
+        impls["trl_rl"] = peer_trl_rl()
     return impls
 
 
@@ -306,6 +343,9 @@ def main():
     parser.add_argument("--peers-main-only", action="store_true", help="time eager and the peers in the main scenario only")
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="timing budget per measurement")
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU tensors (default shape: tiny)")
+    parser.add_argument("--rows", default=None, help="comma-separated implementations to time (default: all)")
+    parser.add_argument("--scenarios", default=None, help="comma-separated of main,50pct,uniform,forward,frozen,fp16 "
+                        "(default: all; main only with --quick / --main-only)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = "cpu" if args.cpu else "cuda"
@@ -320,6 +360,8 @@ def main():
         "cuda": torch.version.cuda,
     }
     impls = implementations(env)
+    if args.rows:
+        impls = {name: impl for name, impl in impls.items() if name in args.rows.split(",")}
     print(json.dumps(env))
     shapes = (args.shapes or ("tiny" if args.cpu else GPU_SHAPES)).split(",")
     if args.quick:
@@ -335,15 +377,18 @@ def main():
     for shape in shapes:
         n, h, v = SHAPES[shape]
         torch.cuda.empty_cache()
-        scenarios = [("realistic", 0.1, "train", torch.bfloat16)]
-        if not (args.quick or args.main_only) and not shape.endswith("32k"):
-            scenarios += [
-                ("realistic", 0.5, "train", torch.bfloat16),
-                ("uniform", 0.1, "train", torch.bfloat16),
-                ("realistic", 0.1, "forward", torch.bfloat16),
-                ("realistic", 0.1, "frozen_head", torch.bfloat16),
-                ("realistic", 0.1, "train", torch.float16),
-            ]
+        named = {
+            "main": ("realistic", 0.1, "train", torch.bfloat16),
+            "50pct": ("realistic", 0.5, "train", torch.bfloat16),
+            "uniform": ("uniform", 0.1, "train", torch.bfloat16),
+            "forward": ("realistic", 0.1, "forward", torch.bfloat16),
+            "frozen": ("realistic", 0.1, "frozen_head", torch.bfloat16),
+            "fp16": ("realistic", 0.1, "train", torch.float16),
+        }
+        chosen = args.scenarios.split(",") if args.scenarios else list(named)
+        if args.quick or args.main_only or shape.endswith("32k"):
+            chosen = [c for c in chosen if c == "main"]
+        scenarios = [named[c] for c in chosen]
         for data, ignore, mode, dtype in scenarios:
             x, w, y = make_inputs(n, h, v, dtype=dtype, realistic=data == "realistic", ignore_frac=ignore)
             scaling = 2.0**14 if dtype == torch.float16 else 1.0
@@ -365,12 +410,15 @@ def main():
                     if not (name == "fused_bf16acc" and mode == "train"):
                         continue
                 if not main_case and args.peers_main_only and not name.startswith("fused"):
+                    if not (mode == "frozen_head" and name in ("token_rl", "trl_rl")):  # the frozen RL target
+                        continue
+                if mode == "forward" and name in ("token_sft", "token_rl", "trl_rl"):
                     continue
                 row = dict(key, impl=name)
                 try:
                     ms, extra = measure(impl, x, w, y, mode, scaling, budget_ms=args.budget_ms)
                     row.update(ms=ms, ratio=ms / floor_ms, extra_gib=extra)
-                    if ref is not None:
+                    if ref is not None and name not in ("token_rl", "trl_rl"):  # (ref: the mean cross-entropy)
                         row.update(zip(("err_loss", "err_dx", "err_dw"), accuracy(impl, x, w, y, ref, scaling)))
                 except Exception as e:  # noqa: BLE001 - a peer failing (OOM, unsupported) is a result too
                     row.update(error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -147,3 +147,28 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
     else:
         log_probs = log_probs.view(mask.shape).masked_fill(~mask, 0)
     return -log_probs.sum() / mask.sum().clamp(min=1)
+
+
+def trl_weighted_logprobs(module, hidden, weight, labels, token_weights, *, entropy_weight=0.0):
+    """sum(token_weights * log_probs) (+ entropy_weight * sum(entropy)) through TRL's fused head, called as its
+    RL trainers do (GRPO: per-token advantages on the log-probabilities; entropy in the outputs)."""
+    fn = module.ChunkedLogProbFunction
+    use_triton = getattr(module, "_use_triton", lambda device: device.type == "cuda")
+    mask = labels != -100
+    compact = use_triton(hidden.device)
+    log_probs, entropy, *_ = fn.apply(
+        hidden[mask] if compact else hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        None,
+        labels[mask] if compact else labels.clamp(min=0).reshape(-1),
+        1.0,
+        TRL_CHUNK_SIZE,
+        None,
+        1.0,
+        ("log_probs", "entropy"),
+    )
+    weights = token_weights[mask] if compact else token_weights.masked_fill(~mask, 0).reshape(-1)
+    total = (log_probs * weights).sum()
+    if entropy_weight:
+        total = total + entropy_weight * (entropy * (1.0 if compact else mask.reshape(-1))).sum()
+    return total
