@@ -270,3 +270,20 @@ def test_unsupported_models_raise_naming_the_class():
     fused_lm_loss.patch(model)
     with pytest.raises(RuntimeError, match="DoubledLogits"):
         model(**make_batch())
+
+
+def test_importing_has_no_global_side_effect():
+    """Importing fused_lm_loss registers no global nn.Module hook; the first FusedLMLoss installs the one that
+    makes ``model.loss_function = FusedLMLoss(...)`` take effect (in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn.modules.module as m\n"
+        "import fused_lm_loss\n"
+        "before = len(m._global_module_registration_hooks)\n"
+        "fused_lm_loss.FusedLMLoss()\n"
+        "print(before, len(m._global_module_registration_hooks))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "1"]

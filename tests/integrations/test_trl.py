@@ -181,3 +181,27 @@ def test_trainer_label_smoothing_factor_warns(tmp_path):
     )
     with pytest.warns(UserWarning, match="label_smoothing_factor"):
         transformers.Trainer(model=model, args=config, train_dataset=_dataset()).train()
+
+
+def test_rl_call_of_trls_head_matches_trls_gradients():
+    """GRPO-style calls of TRL's head (log-probs and entropy, per-token advantages and an entropy bonus) give
+    TRL's own outputs and gradients, trainable and frozen head."""
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    for frozen in (False, True):
+        model = fused_lm_loss.patch(make_model("llama"))
+        w = model.get_output_embeddings().weight
+        w.requires_grad_(not frozen)
+        hidden = torch.randn(14, 32)
+        targets = torch.randint(0, VOCAB, (14,))
+        a, b = torch.randn(14), torch.randn(14)
+        results = []
+        for fn in (trl_integration._trl_function, _ChunkedLogProbFunction):
+            h = hidden.clone().requires_grad_(True)
+            w.grad = None
+            lp, entropy, *_ = fn.apply(h, w, None, targets, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
+            ((lp * a).sum() + (entropy * b).sum()).backward()
+            results.append((lp.detach(), entropy.detach(), h.grad, None if frozen else w.grad.clone()))
+        (lp0, e0, h0, w0), (lp1, e1, h1, w1) = results
+        assert rel_err(lp1, lp0) <= 1e-5 and rel_err(e1, e0) <= 1e-5 and rel_err(h1, h0) <= 1e-5
+        assert frozen or rel_err(w1, w0) <= 1e-5
