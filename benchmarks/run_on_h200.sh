@@ -29,9 +29,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# TESTS / TESTS_AFTER: pytest paths to run before / after the benchmark (TESTS=0: none); *_TIMEOUT: seconds
+run_tests() {  # $1: log name, $2: timeout, the rest: paths
+    local log=$1 limit=$2
+    shift 2
+    FUSED_LM_LOSS_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf "$@" \
+        > "$OUT/$log" 2>&1
+    echo "pytest $* exited $?"
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/$log" | tail -n 15
+}
 if [ "${TESTS:-1}" != 0 ]; then
-    FUSED_LM_LOSS_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
-        --ignore tests/test_distributed.py --ignore tests/integrations tests 2>&1 | tee "$OUT/tests.log" | tail -3
+    [ "${TESTS:-1}" = 1 ] && TESTS="--ignore tests/test_distributed.py --ignore tests/integrations tests"
+    # shellcheck disable=SC2086
+    run_tests tests.log "${TEST_TIMEOUT:-100}" $TESTS
 fi
 if [ -n "${PROFILE:-}" ]; then
     [ "$PROFILE" = 1 ] && PROFILE=steps
@@ -44,9 +54,14 @@ if [ -n "${PROFILE:-}" ]; then
     grep -v "Warn\|warn" "$OUT/profile.log" | cut -c1-220 | tail -n 120
 fi
 if [ "${BENCH:-1}" != 0 ]; then
-    timeout 400 python3 benchmarks/bench_lm_loss.py --shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b \
-        --peers-main-only --budget-ms 800 --out "$OUT" > "$OUT/bench.log" 2>&1
+    BENCH_FLAGS=${BENCH_FLAGS:-"--shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b --peers-main-only --budget-ms 800"}
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_lm_loss.py $BENCH_FLAGS --out "$OUT" > "$OUT/bench.log" 2>&1
     echo "bench_lm_loss exited $?"
     grep "unavailable\|^{\"date" "$OUT/bench.log" | cut -c1-300
-    cat "$OUT/table.md" 2>/dev/null || tail -n 30 "$OUT/bench.log"
+    cat "$OUT/table.md" 2>/dev/null || tail -n 40 "$OUT/bench.log"
+fi
+if [ -n "${TESTS_AFTER:-}" ]; then
+    # shellcheck disable=SC2086
+    run_tests tests_after.log "${TEST_AFTER_TIMEOUT:-100}" $TESTS_AFTER
 fi
