@@ -41,18 +41,23 @@ class Backend(Protocol):
         """(positions, targets, summary = (count, min, max)) of the labels that are not ``ignore_index``."""
 
     def row_stats(self, logits: torch.Tensor, target: torch.Tensor, *, logit_scale: float, softcap: float | None,
-                  need_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(max, sum-exp, target logit, logit sum) per row, to be merged across vocab shards."""
+                  need_sum: bool, class_weight: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(max, sum-exp, target logit, logit sum) per row, to be merged across vocab shards; with
+        ``class_weight`` ((V,) fp32) the logit sum is weighted (sum_j w_j z_j, 0 where w_j = 0)."""
 
     def row_losses(self, logits: torch.Tensor, target: torch.Tensor, loss_out: torch.Tensor, lse_out: torch.Tensor, *,
                    logit_scale: float, softcap: float | None, label_smoothing: float, z_loss: float,
-                   vocab_size: int) -> None:
-        """Per-row loss and lse of a chunk that holds the whole vocabulary."""
+                   vocab_size: int, class_weight: torch.Tensor | None = None) -> None:
+        """Per-row loss and lse of a chunk that holds the whole vocabulary (class-weighted as
+        ``torch_backend.loss_from_stats`` when ``class_weight`` is given)."""
 
     def grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *,
                     grad_scale: float, row_scale: torch.Tensor | None, logit_scale: float, softcap: float | None,
-                    label_smoothing: float, vocab_size: int, z_loss: float, out_lo: torch.Tensor | None = None) -> None:
-        """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math; with ``out_lo`` the residual."""
+                    label_smoothing: float, vocab_size: int, z_loss: float, out_lo: torch.Tensor | None = None,
+                    class_weight: torch.Tensor | None = None) -> None:
+        """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math; with ``out_lo`` the residual;
+        with ``class_weight`` the gradient of the class-weighted loss."""
 
     def supports_stats_in_matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``matmul_partials`` can give a no-grad forward its statistics without a logits chunk."""

@@ -53,7 +53,9 @@ def row_stats(
     need_sum: bool,
     class_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, sum-exp, target logit, logit sum) per row; the sum is weighted by ``class_weight`` when given."""
+    """(max, sum-exp, target logit, logit sum) per row; the sum is weighted by ``class_weight`` when given,
+    sum_j w_j z_j with w_j z_j = 0 where w_j = 0 (a class of weight 0 adds nothing, even at a -inf logit;
+    F.cross_entropy's smoothing term gives NaN there, 0 * -inf, though its gradient is finite)."""
     z, _ = _loss_space(logits, logit_scale, softcap)
     row_max = z.amax(dim=1)
     # A row of -inf only: exponents relative to 0, not to its -inf max (-inf - -inf = NaN), so sum-exp 0 and
@@ -66,7 +68,7 @@ def row_stats(
     if not need_sum:
         logit_sum = torch.zeros_like(row_max)
     else:
-        logit_sum = (z if class_weight is None else z * class_weight).sum(dim=1)
+        logit_sum = (z if class_weight is None else torch.where(class_weight != 0, z * class_weight, 0.0)).sum(dim=1)
     return row_max, row_sumexp, target_logit, logit_sum
 
 

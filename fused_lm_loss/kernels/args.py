@@ -34,3 +34,25 @@ def check_target(target: torch.Tensor, rows: int, device: torch.device, caller: 
         raise ValueError(
             f"{caller}: target must be a contiguous 1-d int64 tensor of {rows} rows on {device}, got {described}"
         )
+
+
+def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, device: torch.device, caller: str) -> None:
+    """Class weights, when given, are read by the kernels as a contiguous (V,) fp32 vector on the logits' device."""
+    if class_weight is None:
+        return
+    if not (
+        isinstance(class_weight, torch.Tensor)
+        and class_weight.dtype == torch.float32
+        and class_weight.shape == (n_cols,)
+        and class_weight.is_contiguous()
+        and class_weight.device == device
+    ):
+        described = (
+            f"dtype={class_weight.dtype}, shape={tuple(class_weight.shape)}, stride={class_weight.stride()}, "
+            f"device={class_weight.device}"
+            if isinstance(class_weight, torch.Tensor)
+            else type(class_weight).__name__
+        )
+        raise ValueError(
+            f"{caller}: class_weight must be a contiguous (V,) = ({n_cols},) fp32 tensor on {device}, got {described}"
+        )

@@ -12,6 +12,15 @@ and the chain rule back to the raw matmul output x_ij (z = c * tanh(s * x / c) w
 
     dz_ij / dx_ij = s * (1 - (z_ij / c)**2)        (just s without softcap)
 
+With class weights w (HAS_CLASS_WEIGHT; F.cross_entropy's weight=, combined with smoothing as PyTorch does,
+loss in ``torch_backend.loss_from_stats``), w_t = w[t_i] (0 for t_i < 0) and W = sum_j w_j::
+
+    dloss_i / dz_ij = p_ij * ((1 - eps) w_t + eps W / V + 2 * zl * lse_i) - (1 - eps) w_t [j == t_i] - (eps / V) w_j
+
+w_t is loaded per row, W from a 1-element device tensor (the launcher sums the weights on the device), and
+w_j beside the logits only with smoothing (SMOOTH_WEIGHTS). No w_j z_j product appears, so a class of weight
+0 at a -inf logit is safe as any other (p = 0).
+
 Each element is finally multiplied by the row's gradient scale (1/num_items for "mean", times the
 GradScaler scale; or the per-token grad_output for reduction="none"). With a second output (``out_lo``,
 used with fp32 logits) the fp32 gradient is stored as an unevaluated pair hi + lo of the matmul dtype,
@@ -34,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target, scale_args
+from .args import check_class_weight, check_target, scale_args
 from .softcap import tanh
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
@@ -62,6 +71,8 @@ def _grad_logits_kernel(
     target_ptr,
     lse_ptr,
     row_scale_ptr,
+    class_weight_ptr,
+    weight_sum_ptr,
     n_cols,
     grad_scale,
     logit_scale,
@@ -73,6 +84,8 @@ def _grad_logits_kernel(
     HAS_SOFTCAP: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    SMOOTH_WEIGHTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     grad_scale = tl.cast(grad_scale, tl.float32)
@@ -95,8 +108,23 @@ def _grad_logits_kernel(
         z = softcap * capped
     else:
         z = x * logit_scale
-    grad = tl.exp2((z - lse) * LOG2E) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
-    grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
+    if HAS_CLASS_WEIGHT:
+        target = tl.load(target_ptr + row)
+        has_target = target >= 0
+        # (1 - eps) w_t, 0 for a target in another vocab shard (target_weight = 1 - eps)
+        w_t = tl.load(class_weight_ptr + tl.where(has_target, target, 0))
+        target_term = tl.where(has_target, target_weight * w_t, 0.0)
+        coefficient = target_term + 2.0 * z_loss * lse
+        if SMOOTH_WEIGHTS:  # eps > 0: (eps / V) W in every p's coefficient, (eps / V) w_j per column
+            coefficient += smoothing_per_class * tl.load(weight_sum_ptr)
+            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
+            grad = tl.exp2((z - lse) * LOG2E) * coefficient - smoothing_per_class * w
+        else:
+            grad = tl.exp2((z - lse) * LOG2E) * coefficient
+        grad = tl.where(cols == target, grad - target_term, grad)
+    else:
+        grad = tl.exp2((z - lse) * LOG2E) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+        grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
     grad = grad * (scale * logit_scale)
     if HAS_SOFTCAP:
         grad = grad * (1.0 - capped * capped)
@@ -117,17 +145,24 @@ def grad_logits(
     vocab_size: int,
     z_loss: float,
     out_lo: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
 ) -> None:
     """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself),
-    and the rounding residual into ``out_lo`` when given."""
+    and the rounding residual into ``out_lo`` when given; with ``class_weight`` ((V,) fp32) the gradient
+    of the class-weighted loss."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "grad_logits")
+    check_class_weight(class_weight, n_cols, logits.device, "grad_logits")
     if rows == 0:
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
     assert out_lo is None or out_lo.stride() == out.stride()
     logit_scale, u_per_x, softcap_arg = scale_args(logit_scale, softcap)
     block_v = min(triton.next_power_of_2(n_cols), 2048)
+    weighted = class_weight is not None
+    smooth_weights = weighted and label_smoothing > 0
+    # W on the device, no host sync: one tiny reduction per call
+    weight_sum = class_weight.sum().reshape(1) if smooth_weights else None
     _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
         logits,
         logits.stride(0),
@@ -137,6 +172,8 @@ def grad_logits(
         target,
         lse,
         row_scale if row_scale is not None else lse,
+        class_weight if weighted else lse,
+        weight_sum if smooth_weights else lse,
         n_cols,
         float(grad_scale),
         logit_scale,
@@ -148,6 +185,8 @@ def grad_logits(
         HAS_SOFTCAP=softcap is not None,
         PER_ROW_SCALE=row_scale is not None,
         SPLIT=out_lo is not None,
+        HAS_CLASS_WEIGHT=weighted,
+        SMOOTH_WEIGHTS=smooth_weights,
         BLOCK_V=block_v,
         num_warps=4 if softcap is not None or block_v < 2048 else 8,  # softcap: 4 warps 10% faster (NOTES.md)
     )

@@ -12,6 +12,7 @@ and, in one pass over the row with an online softmax, writes four fp32 numbers::
     row_sumexp[i]   = s_i   = sum_j exp(z_ij - m_i)          (so lse_i = m_i + log s_i)
     target_logit[i] = z_i,t  with t = target[i]  (0 when t < 0: target outside this vocab shard)
     logit_sum[i]    = sum_j z_ij                 (only when NEED_SUM: label smoothing needs mean z)
+                      sum_j w_j z_ij             (with class weights w: HAS_CLASS_WEIGHT; w_j z_ij = 0 where w_j = 0)
 
 The four are returned separately (not as lse) so that vocab-parallel shards can merge them:
 max by all-reduce(MAX), then s_i * exp(m_i - M_i), target and sum by all-reduce(SUM).
@@ -30,6 +31,9 @@ statistics. ``matmul_stats.py`` writes the same partials from the logits matmul'
 online loop, that is all -inf has max -inf and sum-exp 0 (it subtracts 0 instead of its -inf max, so no
 -inf - -inf = NaN), and merges as nothing; a row that is all -inf has lse = -inf and loss NaN, as
 F.cross_entropy; a -inf target logit gives loss +inf, and label smoothing over any -inf logit +inf.
+With class weights a class of weight 0 adds nothing to the smoothing sum, even at a -inf logit (a select on
+w != 0, where F.cross_entropy(weight=...) computes 0 * -inf = NaN in its forward, though its gradient is
+finite); a class of positive weight at a -inf logit gives +inf, as without weights.
 
 Float scalars are cast to fp32 at the top of each kernel: torch.compile passes Python floats as fp64,
 and all math must stay fp32 (and loop-carried types fixed) however they arrive.
@@ -42,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target, scale_args
+from .args import check_class_weight, check_target, scale_args
 from .softcap import softcap_scaled
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
@@ -69,8 +73,11 @@ def online_row_stats(
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    weight_ptr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
 ):
-    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row.
+    """(max, sum-exp relative to max, sum) of one row's loss-space logits, one read of the row; with
+    HAS_CLASS_WEIGHT the sum is sum_j w_j z_j, w read from ``weight_ptr`` (the segment's first class).
     All -inf so far: max -inf, sum-exp 0."""
     offsets = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
@@ -82,7 +89,12 @@ def online_row_stats(
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
         if NEED_SUM:
-            running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            if HAS_CLASS_WEIGHT:
+                # w_j z_j, 0 where w_j = 0: no 0 * -inf = NaN at a -inf logit; masked columns load w = 0
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+                running_sum += tl.sum(w * tl.where(w != 0.0, z, 0.0), axis=0)
+            else:
+                running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         z = tl.where(mask, z, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         # While the row is all -inf, exponents are taken relative to 0, not to the -inf max (-inf - -inf = NaN):
@@ -111,6 +123,7 @@ def _segment_stats_kernel(
     logits_row_stride,
     target_ptr,
     partial_ptr,
+    class_weight_ptr,
     n_rows,
     n_cols,
     logit_scale,
@@ -118,11 +131,13 @@ def _segment_stats_kernel(
     softcap,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
     SEGMENT_COLS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
-    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit."""
+    axis (so that with one segment it is ``stats``); only segment 0 writes the target logit. With
+    HAS_CLASS_WEIGHT (and NEED_SUM) the sum is weighted by the (V,) fp32 ``class_weight``."""
     logit_scale = tl.cast(logit_scale, tl.float32)
     u_per_x = tl.cast(u_per_x, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
@@ -140,6 +155,8 @@ def _segment_stats_kernel(
         HAS_SOFTCAP,
         NEED_SUM,
         BLOCK_V,
+        class_weight_ptr + first_col,
+        HAS_CLASS_WEIGHT,
     )
     out = partial_ptr + segment * n_rows + row
     tl.store(out, seg_max)
@@ -156,6 +173,9 @@ def _merge_segments_kernel(
     stats_ptr,
     loss_ptr,
     lse_ptr,
+    target_ptr,
+    class_weight_ptr,
+    weight_sum_ptr,
     n_rows,
     n_segments,
     smoothing_per_class,
@@ -163,6 +183,7 @@ def _merge_segments_kernel(
     z_loss,
     HAS_SUM: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
@@ -170,7 +191,8 @@ def _merge_segments_kernel(
     (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
     row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online.
     Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
-    sum-exp 0, lse -inf."""
+    sum-exp 0, lse -inf. HAS_CLASS_WEIGHT (with WRITE_LOSS): the weighted loss, w_t = class_weight[target]
+    (0 for a target < 0) and W = weight_sum[0]."""
     smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
     target_weight = tl.cast(target_weight, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
@@ -196,7 +218,17 @@ def _merge_segments_kernel(
     z_target = tl.load(partial_ptr + 2 * stat_stride + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
         lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
-        loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
+        if HAS_CLASS_WEIGHT:
+            # (1 - eps) w_t (lse - z_t) + (eps / V) (W lse - sum_j w_j z_j) + z_loss lse^2 (target_weight = 1 - eps)
+            target = tl.load(target_ptr + rows, mask=row_mask, other=-1)
+            has_target = target >= 0
+            w_t = tl.load(class_weight_ptr + tl.where(has_target, target, 0), mask=has_target, other=0.0)
+            loss = (target_weight * w_t) * (lse - z_target)
+            if HAS_SUM:
+                loss += smoothing_per_class * (tl.load(weight_sum_ptr) * lse - row_sum)
+            loss += z_loss * lse * lse
+        else:
+            loss = lse - target_weight * z_target - smoothing_per_class * row_sum + z_loss * lse * lse
         tl.store(loss_ptr + rows, loss, mask=row_mask)
         tl.store(lse_ptr + rows, lse, mask=row_mask)
     else:
@@ -207,21 +239,31 @@ def _merge_segments_kernel(
 
 
 def _segment_partials(
-    logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor, logit_scale: float, softcap: float | None, need_sum: bool
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    out: torch.Tensor,
+    logit_scale: float,
+    softcap: float | None,
+    need_sum: bool,
+    class_weight: torch.Tensor | None = None,
 ) -> None:
-    """out[k, segment, row] for k = (max, sum-exp, target logit, sum); ``out`` is (4, n_segments, rows)."""
+    """out[k, segment, row] for k = (max, sum-exp, target logit, sum); ``out`` is (4, n_segments, rows).
+    The sum is weighted by ``class_weight`` when given."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1
+    weighted = need_sum and class_weight is not None  # (only the sum reads the class weights)
     _segment_stats_kernel[(rows, out.shape[1])](
         logits,
         logits.stride(0),
         target,
         out,
+        class_weight if weighted else out,
         rows,
         n_cols,
         *scale_args(logit_scale, softcap),
         HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
+        HAS_CLASS_WEIGHT=weighted,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
         # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7); with softcap (more ALU work
@@ -237,17 +279,20 @@ def row_stats(
     logit_scale: float,
     softcap: float | None,
     need_sum: bool,
+    class_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32."""
+    """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32.
+    With ``class_weight`` ((V,) fp32) the logit sum is sum_j w_j z_j (0 where w_j = 0)."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "row_stats")
+    check_class_weight(class_weight, n_cols, logits.device, "row_stats")
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
         return stats[0], stats[1], stats[2], stats[3]
     # With one segment the partials are the statistics: write them in place.
     partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum)
+    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum, class_weight)
     if n_segments > 1:
         return merge_partials(partial, need_sum=need_sum)
     return stats[0], stats[1], stats[2], stats[3]
@@ -264,19 +309,22 @@ def row_losses(
     label_smoothing: float,
     z_loss: float,
     vocab_size: int,
+    class_weight: torch.Tensor | None = None,
 ) -> None:
     """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
-    the segment partials, then ``merge_partials``."""
+    the segment partials, then ``merge_partials`` (which has the formula, with and without ``class_weight``)."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "row_losses")
+    check_class_weight(class_weight, n_cols, logits.device, "row_losses")
     if rows == 0:
         return
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_partials(logits, target, partial, logit_scale, softcap, need_sum=label_smoothing > 0)
+    _segment_partials(logits, target, partial, logit_scale, softcap, label_smoothing > 0, class_weight)
     merge_partials(
         partial, need_sum=label_smoothing > 0, loss_out=loss_out, lse_out=lse_out,
-        label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size,
+        label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size, target=target,
+        class_weight=class_weight,
     )
 
 
@@ -289,6 +337,8 @@ def merge_partials(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     vocab_size: int = 1,
+    target: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
 ):
     """Merge a (4, segments, rows) partial buffer (target logit in segment 0's slot).
 
@@ -297,10 +347,19 @@ def merge_partials(
     writes each row's loss and lse instead::
 
         lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
+
+    and with ``class_weight`` ((V,) fp32; the partials' sum weighted by it, as ``row_losses`` makes them)
+    and the rows' ``target``, w_t = class_weight[target] and W = sum_j w_j (summed here, on the device)::
+
+        loss = (1 - eps) * w_t * (lse - z_t) + (eps / V) * (W * lse - sum_j w_j z_j) + z_loss * lse**2
     """
     _, n_segments, rows = partial.shape
     assert partial.is_contiguous()
     write_loss = loss_out is not None
+    weighted = class_weight is not None
+    assert not weighted or (write_loss and target is not None and target.shape == (rows,) and target.is_contiguous())
+    # W on the device, no host sync: one tiny reduction per call, read by the merge kernel only with smoothing
+    weight_sum = class_weight.sum().reshape(1) if weighted and need_sum else None
     stats = partial if write_loss else torch.empty((4, rows), dtype=torch.float32, device=partial.device)
     if rows:
         assert not write_loss or (loss_out.stride(0) == 1 and lse_out.stride(0) == 1)
@@ -310,6 +369,9 @@ def merge_partials(
             stats,
             loss_out if write_loss else stats,
             lse_out if write_loss else stats,
+            target if weighted else stats,
+            class_weight if weighted else stats,
+            weight_sum if weight_sum is not None else stats,
             rows,
             n_segments,
             float(label_smoothing) / vocab_size,
@@ -317,6 +379,7 @@ def merge_partials(
             float(z_loss),
             HAS_SUM=need_sum,
             WRITE_LOSS=write_loss,
+            HAS_CLASS_WEIGHT=weighted,
             BLOCK_ROWS=block_rows,
             BLOCK_SEGMENTS=min(triton.next_power_of_2(n_segments), 64),
         )

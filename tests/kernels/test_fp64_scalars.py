@@ -35,15 +35,24 @@ POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", 
 DESCRIPTORS = {"h_desc": "tensordesc<fp16[128, 64]>", "w_desc": "tensordesc<fp16[256, 64]>"}
 KERNELS = [
     ("row_stats", "_segment_stats_kernel",
-     dict(HAS_SOFTCAP=True, NEED_SUM=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
+     dict(HAS_SOFTCAP=True, NEED_SUM=True, HAS_CLASS_WEIGHT=False, SEGMENT_COLS=16384, BLOCK_V=2048)),
     ("row_stats", "_segment_stats_kernel",
-     dict(HAS_SOFTCAP=False, NEED_SUM=False, SEGMENT_COLS=16384, BLOCK_V=2048)),
+     dict(HAS_SOFTCAP=False, NEED_SUM=False, HAS_CLASS_WEIGHT=False, SEGMENT_COLS=16384, BLOCK_V=2048)),
+    ("row_stats", "_segment_stats_kernel",
+     dict(HAS_SOFTCAP=True, NEED_SUM=True, HAS_CLASS_WEIGHT=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
     ("row_stats", "_merge_segments_kernel",
-     dict(HAS_SUM=True, WRITE_LOSS=True, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
+     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=False, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
+    ("row_stats", "_merge_segments_kernel",
+     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=True, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
     ("grad_logits", "_grad_logits_kernel",
-     dict(HAS_SOFTCAP=True, PER_ROW_SCALE=True, SPLIT=True, BLOCK_V=2048)),
+     dict(HAS_SOFTCAP=True, PER_ROW_SCALE=True, SPLIT=True, HAS_CLASS_WEIGHT=False, SMOOTH_WEIGHTS=False,
+          BLOCK_V=2048)),
     ("grad_logits", "_grad_logits_kernel",
-     dict(HAS_SOFTCAP=False, PER_ROW_SCALE=False, SPLIT=False, BLOCK_V=2048)),
+     dict(HAS_SOFTCAP=False, PER_ROW_SCALE=False, SPLIT=False, HAS_CLASS_WEIGHT=False, SMOOTH_WEIGHTS=False,
+          BLOCK_V=2048)),
+    ("grad_logits", "_grad_logits_kernel",
+     dict(HAS_SOFTCAP=True, PER_ROW_SCALE=True, SPLIT=True, HAS_CLASS_WEIGHT=True, SMOOTH_WEIGHTS=True,
+          BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",
      dict(HAS_SOFTCAP=True, NEED_ARGMAX=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",
@@ -141,7 +150,7 @@ def test_kernels_compile_with_fp64_scalars_and_compute_in_fp32():
     if run.returncode != 0 or not lines:
         pytest.fail(f"the compile script failed:\n{run.stderr[-4000:]}")
     results = json.loads(lines[0][len("RESULTS "):])
-    assert len(results) == 11
+    assert len(results) == 14
     for result in results:
         assert result["floats"], result  # the kernel has float scalars, and they were fp64
         assert result["error"] is None, result
