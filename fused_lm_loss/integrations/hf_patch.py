@@ -170,6 +170,7 @@ class _PatchState:
     forward_loss: Callable | None = None  # what loss_function gives during a forward in progress
     call: "FusedCall | None" = None  # the training forward in progress (its lm_head computes the loss)
     heads: list = dataclasses.field(default_factory=list)  # the lm_head modules whose forward is wrapped
+    warned_without_labels: bool = False
 
     def assign(self, model: nn.Module, loss_fn: Any) -> None:
         if loss_fn is not None and not callable(loss_fn):
@@ -295,12 +296,10 @@ class _FusedForward:
             state.forward_loss = None
 
 
-_warned_without_labels: set = set()
-
-
 def _warn_training_without_labels(model: nn.Module) -> None:
-    if type(model) not in _warned_without_labels:
-        _warned_without_labels.add(type(model))
+    state = model.__dict__[_STATE_ATTR]
+    if not state.warned_without_labels:  # once per patched model
+        state.warned_without_labels = True
         warnings.warn(
             f"fused_lm_loss: the patched {type(model).__name__} was called in training mode without labels, so it "
             "computed its logits and no fused loss. If a trainer computes the loss from them (Trainer with "

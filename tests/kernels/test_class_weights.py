@@ -95,10 +95,9 @@ def test_row_stats_weighted_sum(dtype, softcap, segment_cols, monkeypatch):
             assert rel_err(have, want) < 1e-5, (impl.__module__, name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.2, 1e-2)])  # (the z-loss adds per row)
 @pytest.mark.parametrize("segment_cols", [None, 256])
 def test_row_losses_with_class_weights(dtype, softcap, label_smoothing, z_loss, segment_cols, monkeypatch):
     if segment_cols is not None:
@@ -116,8 +115,7 @@ def test_row_losses_with_class_weights(dtype, softcap, label_smoothing, z_loss, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.2, 0.0), (0.2, 1e-2)])
 def test_grad_logits_with_class_weights(dtype, softcap, label_smoothing, z_loss):
     rows, vocab = 7, 2048 + 300  # two column blocks, the second partial
     logits, target, w = _inputs(rows, vocab, dtype)
