@@ -255,8 +255,8 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, 
     extras = [hidden.new_empty(loss.shape if asked else (0,), dtype=torch.float32) for asked in options[-2:]]
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     opts = _options(*options)
-    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
-                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
+    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_input, low_rank_weight, labels.numel(),
+                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device), GradNeeds(*needs))
     grads = [
         x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
         for need, x, dtype in zip(needs, inputs, dtypes)

@@ -277,7 +277,10 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, regime):
     }[regime]
     wide_kept = n * v * per_logit <= budget + (accumulator - result)
     assert wide_kept == (regime == "small_batch")
-    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget)
+    # the module's budget is the chunk budget plus what the kept-wide fp32 dX costs over bf16
+    kept_dx_extra = n * h * (4 - 2)
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget + kept_dx_extra)
+    assert plan.chunk_budget(n, h, 1, torch.float32, torch.bfloat16) == budget
     chunk_rows, accumulated = [], []
     original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
 
@@ -317,3 +320,15 @@ def test_accum_dtype_none_keeps_weight_dtype(backend):
     _, grads = reference_loss(hidden, weight, labels)
     assert weight.grad.dtype == torch.bfloat16
     assert rel_err(weight.grad, grads["weight"]) < 2e-2
+
+
+def test_chunk_budget_pays_for_the_kept_wide_row_gradients(monkeypatch):
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", 1_000_000)
+    # one fp32 set of dX rows kept over bf16: 2 extra bytes per element
+    assert plan.chunk_budget(100, 50, 1, torch.float32, torch.bfloat16) == 1_000_000 - 100 * 50 * 2
+    # two components (log-prob and entropy gradients), each fp32: 8 - 2 extra bytes per element
+    assert plan.chunk_budget(100, 50, 2, torch.float32, torch.bfloat16) == 1_000_000 - 100 * 50 * 6
+    # nothing kept wider than the matmul dtype: the whole budget
+    assert plan.chunk_budget(100, 50, 1, torch.bfloat16, torch.bfloat16) == 1_000_000
+    # never below a quarter of the budget, however large the batch
+    assert plan.chunk_budget(10**6, 4096, 2, torch.float32, torch.bfloat16) == 250_000
