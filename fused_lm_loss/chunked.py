@@ -272,11 +272,6 @@ class LinearHead:
         """(hidden, weight) when the statistics may come from the matmul epilogue (no low-rank term)."""
         return (self.hidden, self.weight) if self.u is None else None
 
-    def row_width(self, needs) -> int:
-        """Values per token of the per-token gradients asked for (dX and du)."""
-        rank = 0 if self.u is None else self.u.shape[1]
-        return self.hidden.shape[1] * needs.hidden + rank * needs.low_rank_input
-
     def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
         """Per-chunk copies of the kept rows: h (and u) gathered, dX (and du) rows before their scatter."""
         if not has_index:
@@ -373,9 +368,6 @@ class GivenLogits:
         self.vocab_weight = self.stats_operands = None
 
     transformed = True  # the logits already carry the model's softcap / scale; their dtype is the logits dtype
-
-    def row_width(self, needs) -> int:
-        return 0  # the gradient is d logits itself, in the logits' dtype
 
     def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
         return 0  # the chunk buffer (gathered rows, then G in place) is the logits buffer of the plan

@@ -255,8 +255,8 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, 
     extras = [hidden.new_empty(loss.shape if asked else (0,), dtype=torch.float32) for asked in options[-2:]]
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     opts = _options(*options)
-    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_input, low_rank_weight, labels.numel(),
-                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device), GradNeeds(*needs))
+    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
+                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
     grads = [
         x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
         for need, x, dtype in zip(needs, inputs, dtypes)
@@ -462,19 +462,14 @@ def _setup_linear(ctx, inputs, output) -> None:
 
 
 def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
-    """Keep the gradients made in forward for backward (and save ``also_saved``, which backward reads).
+    """Save the gradients made in forward for backward, after ``also_saved`` (which backward reads too).
 
-    In eager mode they are held as plain references: the engine then sees a second owner of what backward
-    returns for a factor of 1.0 and copies it into ``param.grad`` rather than adopting it, so a second
-    backward (retain_graph) never accumulates into them. They are non-differentiable outputs, so this makes
-    no reference cycle. Compiled backward always returns new tensors; there they are saved as usual.
+    Through ``save_for_backward``, so that the engine releases them as soon as backward has run (unless
+    retain_graph): ``param.grad`` then adopts the returned tensor instead of copying it. Under retain_graph
+    they stay saved, the engine sees a second owner and copies into ``param.grad``, so a second backward never
+    accumulates into a saved gradient.
     """
-    if _traced(grads[0]):
-        ctx.save_for_backward(*also_saved, *grads)
-        ctx.grads = None
-    else:
-        ctx.save_for_backward(*also_saved)
-        ctx.grads = tuple(grads)
+    ctx.save_for_backward(*also_saved, *grads)
 
 
 def _backward_linear(ctx, grad_loss, *unused):
@@ -486,7 +481,7 @@ def _backward_linear(ctx, grad_loss, *unused):
         grads = linear_cross_entropy_backward(*ctx.saved_tensors, grad_loss, list(ctx.needs), *ctx.options)
     else:
         saved = ctx.saved_tensors
-        scale, grads = saved[0], (saved[1:] if ctx.grads is None else ctx.grads)
+        scale, grads = saved[0], saved[1:]
         kept = [g for g, need in zip(grads, ctx.needs) if need]
         dtypes = [dtype for dtype, need in zip(ctx.dtypes, ctx.needs) if need]
         rescaled = iter(_rescaled(kept, dtypes, grad_loss, scale, ctx.scaling))
@@ -517,7 +512,7 @@ def _backward_logits(ctx, grad_loss, *unused):
         return (None, *nothing)
     if ctx.reduction == "none":
         return (logits_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.options), *nothing)
-    (grad,) = ctx.saved_tensors if ctx.grads is None else ctx.grads
+    (grad,) = ctx.saved_tensors
     return (_rescaled([grad], [grad.dtype], grad_loss, None, 1.0)[0], *nothing)
 
 

@@ -158,9 +158,8 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, prec
     outputs.append(hidden.new_empty(shape, dtype=torch.int64))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     opts = _options(ignore_index, logit_scale, softcap, chunk_size)
-    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_input, low_rank_weight, labels.numel(),
-                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device), GradNeeds(*needs),
-                         components=int(precompute_logprob) + int(precompute_entropy))
+    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
+                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
     for precomputed in (precompute_logprob, precompute_entropy):
         outputs += [
             x.new_empty(x.shape, dtype=dtype) if precomputed and need else hidden.new_empty((0,))

@@ -157,15 +157,14 @@ def make_plan(
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
-    budget = chunk_budget(rows.total, head.row_width(needs), components, grad_input_dtype, matmul_dtype)
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
     keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(
-        opts, rows.total, shard.chunk_vocab, weight, per_logit, budget
+        opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
     )
     per_logit += max(components - 1, 0) * matmul_dtype.itemsize  # the earlier components' G buffers
     if stats_in_matmul:  # chunks bound only the fp32 partials (and the gathered rows)
         bytes_per_row = backend.matmul_partial_bytes_per_row(shard.chunk_vocab) + row_bytes
-        max_rows = opts.chunk_size or rows_within(bytes_per_row, budget)
+        max_rows = opts.chunk_size or rows_within(bytes_per_row, LOGITS_BUDGET_BYTES)
     else:
         bytes_per_row = shard.chunk_vocab * per_logit + row_bytes
         wide_dw = needs.weight and weight is not None and accum_dtype != weight_dtype
@@ -175,7 +174,7 @@ def make_plan(
         elif wide_dw:
             accumulator_bytes = weight.numel() * accum_dtype.itemsize
             result_bytes = weight.numel() * weight_dtype.itemsize
-        max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, accumulator_bytes, result_bytes, budget)
+        max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, accumulator_bytes, result_bytes)
     chunk_rows = split_rows(n_rows, max_rows)
     if chunk_rows >= n_rows and not keep_dw_wide:  # one chunk: dW is one matmul (fp32 inside), rounded once
         accum_dtype = weight_dtype
@@ -232,44 +231,32 @@ def bytes_per_logit(backend_name: str, logits_dtype: torch.dtype, matmul_dtype: 
     return per_logit + (TORCH_BACKEND_TEMP_BYTES if backend_name == "torch" else 0)
 
 
-def chunk_budget(n_tokens: int, row_width: int, components: int, grad_input_dtype: torch.dtype,
-                 matmul_dtype: torch.dtype) -> int:
-    """The chunk buffers' budget: LOGITS_BUDGET_BYTES less what the per-token gradients kept wide until
-    backward (one set per gradient component) cost beyond the returned ones, so that the loss's extra memory
-    stays what the module docstring promises. From shapes alone (``grad_dtypes`` needs it too)."""
-    kept_extra = n_tokens * row_width * max(max(components, 1) * grad_input_dtype.itemsize - matmul_dtype.itemsize, 0)
-    return max(LOGITS_BUDGET_BYTES - kept_extra, LOGITS_BUDGET_BYTES // 4)
-
-
 def keeps_weight_grad_wide(
-    opts: LossOptions, n_tokens: int, chunk_vocab: int, weight: torch.Tensor, per_logit: int, budget: int
+    opts: LossOptions, backend_name: str, n_tokens: int, chunk_vocab: int, weight: torch.Tensor, per_logit: int
 ) -> bool:
     """Whether dW is kept in ``accum_dtype`` until backward (rounded once there, whatever grad_output is).
 
     Decided from shapes alone (the operator's output dtype must not depend on the data): yes when all
-    ``n_tokens`` rows, ignored or not, fit in one chunk within the chunk ``budget`` plus what the wide dW
+    ``n_tokens`` rows, ignored or not, fit in one chunk within LOGITS_BUDGET_BYTES plus what the wide dW
     costs over the weight's dtype. A larger batch keeps the weight's dtype, so that one chunk may still use
     the accumulator's memory (a single dW matmul, rounded once: exact when grad_output / scaling is 1).
     """
     wide = kept_dtype(opts, weight.dtype)
     extra = weight.numel() * (wide.itemsize - weight.dtype.itemsize)
-    return extra > 0 and n_tokens * chunk_vocab * per_logit <= budget + extra
+    return extra > 0 and n_tokens * chunk_vocab * per_logit <= LOGITS_BUDGET_BYTES + extra
 
 
 def grad_dtypes(opts: LossOptions, device: torch.device, hidden: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, low_rank_input: torch.Tensor | None, low_rank_weight: torch.Tensor | None,
-                n_tokens: int, chunk_vocab: int, backend_name: str, needs: GradNeeds, components: int = 1) -> tuple:
+                bias: torch.Tensor | None, low_rank_weight: torch.Tensor | None, n_tokens: int,
+                chunk_vocab: int, backend_name: str) -> tuple:
     """dtypes of (d hidden, d weight, d bias, d u, d B) as the operator returns them (its fake implementation
     reads them here too): each kept wide until backward rounds it once, dW where the memory allows
-    (``keeps_weight_grad_wide``); the same decisions as ``make_plan``, from shapes alone."""
+    (``keeps_weight_grad_wide``)."""
     rows = row_grad_dtype(opts, device, hidden.dtype)
     logits_dtype = opts.logits_dtype or hidden.dtype
     split_grad = logits_dtype != hidden.dtype
     per_logit = bytes_per_logit(backend_name, logits_dtype, hidden.dtype, split_grad)
-    rank = 0 if low_rank_input is None else low_rank_input.shape[-1]
-    row_width = hidden.shape[-1] * needs.hidden + rank * needs.low_rank_input
-    budget = chunk_budget(n_tokens, row_width, components, rows, hidden.dtype) if needs.row_inputs else LOGITS_BUDGET_BYTES
-    keep_dw_wide = keeps_weight_grad_wide(opts, n_tokens, chunk_vocab, weight, per_logit, budget)
+    keep_dw_wide = keeps_weight_grad_wide(opts, backend_name, n_tokens, chunk_vocab, weight, per_logit)
     return (
         rows,
         kept_dtype(opts, weight.dtype) if keep_dw_wide else weight.dtype,
@@ -285,17 +272,14 @@ def rows_within(bytes_per_row: int, budget: int) -> int:
 
 
 def max_chunk_rows(
-    n_rows: int, bytes_per_row: int, chunk_size: int | None, accumulator_bytes: int = 0, result_bytes: int = 0,
-    budget: int | None = None,
+    n_rows: int, bytes_per_row: int, chunk_size: int | None, accumulator_bytes: int = 0, result_bytes: int = 0
 ) -> int:
-    """The most rows a chunk may take: ``chunk_size``, else what the memory allows (module docstring);
-    ``budget`` defaults to LOGITS_BUDGET_BYTES."""
+    """The most rows a chunk may take: ``chunk_size``, else what the memory allows (module docstring)."""
     if chunk_size is not None:
         return chunk_size
-    budget = LOGITS_BUDGET_BYTES if budget is None else budget
-    if n_rows * bytes_per_row <= budget + accumulator_bytes:
+    if n_rows * bytes_per_row <= LOGITS_BUDGET_BYTES + accumulator_bytes:
         return max(n_rows, 1)
-    return rows_within(bytes_per_row, budget + result_bytes)
+    return rows_within(bytes_per_row, LOGITS_BUDGET_BYTES + result_bytes)
 
 
 def split_rows(n_rows: int, max_rows: int) -> int:
