@@ -114,14 +114,20 @@ def run_chunks(plan: Plan, head, rows: Rows, step) -> ChunkOutputs:
         return ChunkOutputs(step=step.from_matmul(plan, head, rows), grads=((None,) * 5,))
     head.start(plan, rows)
     for start, end in plan.chunks():
-        logits = head.logits(start, end)
-        target = rows.target[start:end]
-        step.stats(logits, target, start, end)
-        for k, make_grad in enumerate(step.grads):
-            grad, grad_lo = head.grad_buffers(start, end, k)
-            make_grad(logits, grad, target, start, end, grad_lo)
-            head.backprop(start, end, k)
+        _run_chunk(head, rows, step, start, end)
     return ChunkOutputs(step=step, grads=head.finish())
+
+
+def _run_chunk(head, rows: Rows, step, start: int, end: int) -> None:
+    # A function of its own so that no view of the chunk buffers outlives the loop: head.finish() frees
+    # them before the dW result takes their memory (plan.py).
+    logits = head.logits(start, end)
+    target = rows.target[start:end]
+    step.stats(logits, target, start, end)
+    for k, make_grad in enumerate(step.grads):
+        grad, grad_lo = head.grad_buffers(start, end, k)
+        make_grad(logits, grad, target, start, end, grad_lo)
+        head.backprop(start, end, k)
 
 
 class LossStep:

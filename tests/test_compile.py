@@ -23,10 +23,10 @@ def _fresh_dynamo():
 
 def _batches(count, *, seed=0):
     """Batches of the same shape whose number of ignored labels differs from one to the next."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator("cpu").manual_seed(seed)
     for k in range(count):
-        x = torch.randn(N, H, generator=g).to(TEST_DEVICE)
-        y = torch.randint(0, V, (N,), generator=g).to(TEST_DEVICE)
+        x = torch.randn(N, H, generator=g, device="cpu").to(TEST_DEVICE)
+        y = torch.randint(0, V, (N,), generator=g, device="cpu").to(TEST_DEVICE)
         y[: 7 * k] = -100
         yield x, y
 

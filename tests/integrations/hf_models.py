@@ -81,8 +81,8 @@ def make_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Mo
 
 
 def make_batch(batch: int = 2, seq: int = 12, seed: int = 1) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    g = torch.Generator("cpu").manual_seed(seed)  # the same batch on every device
+    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=g, device="cpu").to(torch.get_default_device())
     labels = input_ids.clone()
     labels[0, :3] = -100  # prompt tokens carry no loss
     labels[-1, -2:] = -100  # padding

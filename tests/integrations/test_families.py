@@ -73,8 +73,8 @@ def _build(family: str, **overrides) -> torch.nn.Module:
 
 
 def _batch(model) -> dict:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, VOCAB - 8, (2, 12), generator=g)  # clear of the image / special tokens
+    g = torch.Generator("cpu").manual_seed(1)
+    ids = torch.randint(4, VOCAB - 8, (2, 12), generator=g, device="cpu").to(torch.get_default_device())  # clear of the image / special tokens
     labels = ids.clone()
     labels[0, :3] = -100
     labels[-1, -2:] = -100

@@ -13,12 +13,12 @@ pytest.importorskip("accelerate")
 
 
 def _dataset(n=16, seq=10, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator("cpu").manual_seed(seed)
     rows = []
     for _ in range(n):
-        ids = torch.randint(0, VOCAB, (seq,), generator=g)
+        ids = torch.randint(0, VOCAB, (seq,), generator=g, device="cpu")
         labels = ids.clone()
-        labels[: int(torch.randint(0, seq - 2, (1,), generator=g))] = -100  # ragged prompts: num_items matters
+        labels[: int(torch.randint(0, seq - 2, (1,), generator=g, device="cpu"))] = -100  # ragged prompts: num_items matters
         rows.append({"input_ids": ids, "labels": labels})
     return rows
 

@@ -32,13 +32,13 @@ def tiny_tokenizer():
 def _rows(kind: str, n: int = 12, seed: int = 0) -> list:
     """Pre-tokenized rows; the completion / assistant masks are what TRL makes of prompt-completion and
     conversational datasets, and TRL turns them into labels."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator("cpu").manual_seed(seed)
     rows = []
     for _ in range(n):
-        length = int(torch.randint(6, 11, (1,), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        length = int(torch.randint(6, 11, (1,), generator=g, device="cpu"))
+        ids = torch.randint(3, VOCAB, (length,), generator=g, device="cpu").tolist()
         row = {"input_ids": ids}
-        cut = int(torch.randint(1, length - 2, (1,), generator=g))
+        cut = int(torch.randint(1, length - 2, (1,), generator=g, device="cpu"))
         if kind == "completion_only":
             row["completion_mask"] = [0] * cut + [1] * (length - cut)
         if kind == "assistant_only":
