@@ -6,7 +6,7 @@
 #   MODELS="--models qwen2.5-0.5b --modes lora"   flags for bench_models.py (default: every model and mode)
 #   MODELS_TIMEOUT / HF_TEST_TIMEOUT              seconds for those parts (default 300 / 150)
 #   HF_TEST_DEVICE=cpu                            the tests on CPU tensors (as CI runs them)
-#   EXAMPLES=sft                                  only examples/sft_trl.py (full fine-tune and LoRA)
+#   EXAMPLES=sft                                  only examples/sft_trl.py (full fine-tune and LoRA; SFT_TIMEOUT each)
 #   TESTS=0 / EXAMPLES=0 / MODELS=0               skip a part
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -32,9 +32,9 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 if [ "${EXAMPLES:-1}" != 0 ]; then
     # TRL's SFTTrainer, TRL's own head beside ours (needs the trl / datasets wheels)
-    timeout 90 python3 examples/sft_trl.py --steps 20 > "$OUT/sft_trl.log" 2>&1
+    timeout "${SFT_TIMEOUT:-90}" python3 examples/sft_trl.py --steps 20 > "$OUT/sft_trl.log" 2>&1
     echo "sft_trl exited $?"; tail -n 14 "$OUT/sft_trl.log"
-    timeout 90 python3 examples/sft_trl.py --steps 20 --lora > "$OUT/sft_trl_lora.log" 2>&1
+    timeout "${SFT_TIMEOUT:-90}" python3 examples/sft_trl.py --steps 20 --lora > "$OUT/sft_trl_lora.log" 2>&1
     echo "sft_trl --lora exited $?"; tail -n 14 "$OUT/sft_trl_lora.log"
 fi
 if [ "${EXAMPLES:-1}" = 1 ]; then
