@@ -42,3 +42,14 @@ def backend(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmuls_stay_fp32():
+    """Restore TF32 settings after each test: ``TrainingArguments(torch_compile=True)`` turns TF32 on for the
+    whole process on CUDA, and every later fp32 comparison would then measure TF32 round-off (~1e-3)."""
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[:2]
+    torch.set_float32_matmul_precision(flags[2])

@@ -93,12 +93,25 @@ def _step(model, batch):
     return out, grads(model)
 
 
+def _ignores_its_text_softcap(model) -> bool:
+    """Older transformers (5.17) build PaliGemma's logits without the text config's final_logit_softcapping
+    (5.24 applies it)."""
+    import inspect
+
+    return "final_logit_softcapping" not in inspect.getsource(type(model).forward)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_unpatched(family):
     model = _build(family)
     ref = twin(model)
     fused_lm_loss.patch(model)
     batch = _batch(model)
+    if family == "paligemma2_text_softcap" and _ignores_its_text_softcap(model):
+        # the config says softcap 3, the forward applies none: the probe check refuses, never trains wrong
+        with pytest.raises(RuntimeError, match="does not reproduce"):
+            _step(model, batch)
+        return
     out, got = _step(model, batch)
     want_out, want = _step(ref, batch)
     assert out.logits is None

@@ -6,6 +6,7 @@ import torch
 
 import fused_lm_loss
 
+from ..conftest import TEST_DEVICE
 from .hf_models import VOCAB, make_model, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -36,8 +37,9 @@ def _train(tmp_path, patched, grad_accum, **args):
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=TEST_DEVICE == "cpu",
         seed=0,
+        tf32=False,  # torch_compile=True would turn TF32 on (CUDA): the comparison is of fp32 runs
         **args,
     )
     trainer = transformers.Trainer(model=model, args=config, train_dataset=_dataset())
