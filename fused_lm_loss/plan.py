@@ -10,7 +10,11 @@ dtype than the weight's, memory that the accumulator's cost already pays for:
   - one chunk needs no accumulator (dW is a single matmul), so it may also take the accumulator's bytes;
   - with several chunks the returned dW is written once, after the loop has freed the chunk buffer, so
     the chunk may also take the returned dW's bytes.
-Either way the loss holds at most the accumulator + LOGITS_BUDGET_BYTES beyond inputs and gradients.
+Either way the loss holds at most the accumulator + LOGITS_BUDGET_BYTES beyond inputs and gradients, plus
+the per-token gradients kept wider than returned until backward rounds them once (``row_grad_dtype``: an
+fp32 dX is N x H x 2 bytes over bf16; one set per gradient component of ``token_stats``). Those are a term
+of their own, not charged to the budget: charging them split Qwen2.5-7B's batch into two chunks on the H200,
+8% slower (benchmarks/NOTES.md, session 9).
 """
 from __future__ import annotations
 
