@@ -366,3 +366,16 @@ def test_chunk_buffers_are_freed_before_the_weight_gradient_is_made(backend, mon
     assert storages and alive_at_result == [False] * len(storages)
     _, grads = reference_loss(hidden, weight, labels)
     assert rel_err(weight.grad, grads["weight"]) <= 1e-2  # bf16
+
+
+def test_hook_changing_a_saved_gradient_in_place_makes_a_retained_backward_raise(backend):
+    """A hook that scales the gradient in place gets, for a factor of 1.0, the saved tensor itself: a second
+    (retain_graph) backward must then raise PyTorch's in-place error, not return the hook's result again."""
+    hidden, weight, labels, bias = _inputs()
+    hidden.register_hook(lambda g: g.mul_(2.0))
+    loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias)
+    loss.backward(retain_graph=True)
+    _, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(hidden.grad, 2.0 * grads["hidden"]) <= 2e-4  # the hook's doubling, once
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
