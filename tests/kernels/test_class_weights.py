@@ -14,18 +14,10 @@ import torch.nn.functional as F
 
 from fused_lm_loss import torch_backend
 
-from ..conftest import requires_triton
+from ..conftest import interpreter_numpy_warnings, requires_triton
 from ..reference import rel_err
 
-pytestmark = [
-    requires_triton,
-    # the -inf cases: what the interpreter's numpy warns about is what they check (see test_neg_inf.py)
-    pytest.mark.filterwarnings(
-        "ignore:overflow encountered:RuntimeWarning",
-        "ignore:invalid value encountered:RuntimeWarning",
-        "ignore:divide by zero encountered:RuntimeWarning",
-    ),
-]
+pytestmark = [requires_triton, interpreter_numpy_warnings]
 from fused_lm_loss.kernels import grad_logits, row_losses, row_stats  # noqa: E402
 
 from .test_neg_inf import _assert_matches  # noqa: E402  (NaN and infinities where expected, finite values close)

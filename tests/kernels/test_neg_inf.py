@@ -10,18 +10,9 @@ import torch.nn.functional as F
 
 from fused_lm_loss import torch_backend
 
-from ..conftest import requires_triton
+from ..conftest import interpreter_numpy_warnings, requires_triton
 
-# The interpreter's numpy warns about what the results are checked for: log(0) = -inf for an all -inf row, and
-# with softcap the overflow of tanh's discarded polynomial branch at -inf. A GPU raises nothing.
-pytestmark = [
-    requires_triton,
-    pytest.mark.filterwarnings(
-        "ignore:overflow encountered:RuntimeWarning",
-        "ignore:invalid value encountered:RuntimeWarning",
-        "ignore:divide by zero encountered:RuntimeWarning",
-    ),
-]
+pytestmark = [requires_triton, interpreter_numpy_warnings]
 from fused_lm_loss.kernels import grad_logits, matmul_stats, merge_partials, row_losses, row_stats  # noqa: E402
 
 row_stats_module = importlib.import_module("fused_lm_loss.kernels.row_stats")

@@ -7,19 +7,10 @@ import torch
 
 from fused_lm_loss import torch_backend
 
-from ..conftest import requires_triton
+from ..conftest import interpreter_numpy_warnings, requires_triton
 from ..reference import rel_err
 
-# The interpreter's numpy warns about what some cases check: log(0) = -inf for an all -inf row, -inf - -inf, and
-# with softcap the overflow of tanh's discarded polynomial branch at -inf. A GPU raises nothing.
-pytestmark = [
-    requires_triton,
-    pytest.mark.filterwarnings(
-        "ignore:overflow encountered:RuntimeWarning",
-        "ignore:invalid value encountered:RuntimeWarning",
-        "ignore:divide by zero encountered:RuntimeWarning",
-    ),
-]
+pytestmark = [requires_triton, interpreter_numpy_warnings]
 from fused_lm_loss.kernels import token_grad_logits, token_stats  # noqa: E402
 
 token_stats_module = importlib.import_module("fused_lm_loss.kernels.token_stats")
