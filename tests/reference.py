@@ -8,6 +8,24 @@ from __future__ import annotations
 import torch
 
 
+def float64_logits(hidden, weight, bias=None, *, low_rank=None, logit_scale=1.0, softcap=None):
+    """(float64 leaves by name, each requiring grad as its input does; the loss-space logits z computed from
+    them): z = softcap(logit_scale * (h @ W.T + b + u @ B.T))."""
+    named = {"hidden": hidden, "weight": weight, "bias": bias}
+    if low_rank is not None:
+        named["low_rank_input"], named["low_rank_weight"] = low_rank
+    leaves = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in named.items() if v is not None}
+    z = leaves["hidden"] @ leaves["weight"].T
+    if "bias" in leaves:
+        z = z + leaves["bias"]
+    if low_rank is not None:
+        z = z + leaves["low_rank_input"] @ leaves["low_rank_weight"].T
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return leaves, z
+
+
 def reference_loss(
     hidden,
     weight,
@@ -28,18 +46,7 @@ def reference_loss(
 
     For reduction="none" the gradients are those of sum(grad_output * loss) (grad_output defaults to ones).
     """
-    named = {"hidden": hidden, "weight": weight, "bias": bias}
-    if low_rank is not None:
-        named["low_rank_input"], named["low_rank_weight"] = low_rank
-    leaves = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in named.items() if v is not None}
-    z = leaves["hidden"] @ leaves["weight"].T
-    if "bias" in leaves:
-        z = z + leaves["bias"]
-    if low_rank is not None:
-        z = z + leaves["low_rank_input"] @ leaves["low_rank_weight"].T
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+    leaves, z = float64_logits(hidden, weight, bias, low_rank=low_rank, logit_scale=logit_scale, softcap=softcap)
     lse = torch.logsumexp(z, dim=-1)
     valid = labels != ignore_index
     target = torch.where(valid, labels, torch.zeros_like(labels))

@@ -6,7 +6,7 @@ import torch
 import fused_lm_loss.per_token as per_token
 from fused_lm_loss import FusedLMLoss, token_stats
 
-from .reference import make_inputs, rel_err
+from .reference import float64_logits, make_inputs, rel_err
 
 N, H, V = 37, 16, 90
 
@@ -14,18 +14,7 @@ N, H, V = 37, 16, 90
 def reference(hidden, weight, labels, bias=None, *, a=None, b=None, temperature=1.0, logit_scale=1.0, softcap=None,
               low_rank=None, ignore_index=-100):
     """The outputs and float64 gradients of sum(a * logprobs + b * entropy), on materialized logits."""
-    named = {"hidden": hidden, "weight": weight, "bias": bias}
-    if low_rank is not None:
-        named["low_rank_input"], named["low_rank_weight"] = low_rank
-    leaves = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in named.items() if v is not None}
-    z = leaves["hidden"] @ leaves["weight"].T
-    if "bias" in leaves:
-        z = z + leaves["bias"]
-    if low_rank is not None:
-        z = z + leaves["low_rank_input"] @ leaves["low_rank_weight"].T
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+    leaves, z = float64_logits(hidden, weight, bias, low_rank=low_rank, logit_scale=logit_scale, softcap=softcap)
     z = z / temperature
     valid = labels != ignore_index
     target = torch.where(valid, labels, torch.zeros_like(labels))
