@@ -118,19 +118,14 @@ def trl_how() -> str | None:
     return _load_trl().get("how")
 
 
-def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, logit_scale=1.0, outputs=("log_probs",)):
-    """The loss of TRL's fused head (``_fused_forward`` of add_fused_lm_head, SFT: temperature 1) on hidden
-    states (..., H) and labels (...) that are already shifted.
-
-    As TRL does: on Triton devices (CUDA) only the rows that carry a loss go to the kernel ("compact":
-    ``hidden[mask]``), else every row with its label clamped at 0; the per-token log-probs are scattered
-    back (0 where ignored), and loss = -sum(log_probs) / max(count, 1).
-    """
-    fn = module.ChunkedLogProbFunction
+def _trl_apply(module, hidden, weight, labels, bias, softcap, logit_scale, outputs):
+    """TRL's ChunkedLogProbFunction at temperature 1, called as its trainers call it: on Triton devices (CUDA)
+    only the rows that carry a loss ("compact"), else every row with its label clamped at 0.
+    Returns (the kept-label mask, compact, the function's per-token outputs)."""
     use_triton = getattr(module, "_use_triton", lambda device: device.type == "cuda")
     mask = labels != -100
     compact = use_triton(hidden.device)
-    per_token = fn.apply(
+    per_token = module.ChunkedLogProbFunction.apply(
         hidden[mask] if compact else hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
@@ -141,6 +136,18 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
         logit_scale,
         tuple(outputs),
     )
+    return mask, compact, per_token
+
+
+def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, logit_scale=1.0, outputs=("log_probs",)):
+    """The loss of TRL's fused head (``_fused_forward`` of add_fused_lm_head, SFT: temperature 1) on hidden
+    states (..., H) and labels (...) that are already shifted.
+
+    As TRL does: on Triton devices (CUDA) only the rows that carry a loss go to the kernel ("compact":
+    ``hidden[mask]``), else every row with its label clamped at 0; the per-token log-probs are scattered
+    back (0 where ignored), and loss = -sum(log_probs) / max(count, 1).
+    """
+    mask, compact, per_token = _trl_apply(module, hidden, weight, labels, bias, softcap, logit_scale, outputs)
     log_probs = per_token[0]
     if compact:
         log_probs = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
@@ -152,21 +159,8 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
 def trl_weighted_logprobs(module, hidden, weight, labels, token_weights, *, entropy_weight=0.0):
     """sum(token_weights * log_probs) (+ entropy_weight * sum(entropy)) through TRL's fused head, called as its
     RL trainers do (GRPO: per-token advantages on the log-probabilities; entropy in the outputs)."""
-    fn = module.ChunkedLogProbFunction
-    use_triton = getattr(module, "_use_triton", lambda device: device.type == "cuda")
-    mask = labels != -100
-    compact = use_triton(hidden.device)
-    log_probs, entropy, *_ = fn.apply(
-        hidden[mask] if compact else hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        None,
-        labels[mask] if compact else labels.clamp(min=0).reshape(-1),
-        1.0,
-        TRL_CHUNK_SIZE,
-        None,
-        1.0,
-        ("log_probs", "entropy"),
-    )
+    mask, compact, (log_probs, entropy, *_) = _trl_apply(module, hidden, weight, labels, None, None, 1.0,
+                                                         ("log_probs", "entropy"))
     weights = token_weights[mask] if compact else token_weights.masked_fill(~mask, 0).reshape(-1)
     total = (log_probs * weights).sum()
     if entropy_weight:
