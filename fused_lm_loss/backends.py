@@ -85,7 +85,8 @@ class Backend(Protocol):
                           entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
                           grad_entropy: torch.Tensor | None, *, logit_scale: float, softcap: float | None) -> None:
         """d(sum a * logprob + b * entropy)/d(logits) into ``out`` (may be ``logits`` itself) for per-row weights
-        a = ``grad_logprob``, b = ``grad_entropy`` (fp32, or None: that term absent)."""
+        a = ``grad_logprob``, b = ``grad_entropy`` (fp32, or None: that term absent); ``logits`` may be any
+        columns of the vocabulary (a tile: ``lse`` / ``entropy`` are the whole row's, ``target`` -1 elsewhere)."""
 
 
 _chosen: str | None = None  # set by use_backend(); None: the environment variable, else the device decides

@@ -12,7 +12,9 @@ Per chunk of kept token rows (those whose label is not ``ignore_index``)::
         head.backprop(G)                      dX[chunk] = G @ W ; dW += G.T @ h ; db += G.sum(0)
                                               (CUDA: dX on a second stream beside dW); or dlogits[chunk] = G
 
-so the N x V logits never exist at once. Gradients are produced in forward (the loss: scaled by
+so the N x V logits never exist at once. A recompute in backward, which knows each row's lse, may also tile
+the vocabulary (``plan.tiles()``): per (rows, columns) tile the same steps, dX summed over the tiles and each
+tile's slice of dW written once when all rows fit one chunk (plan.vocab_tiling). Gradients are produced in forward (the loss: scaled by
 ``plan.grad_scale``, times ``row_scale`` per row when recomputing for a per-token grad_output; per-token
 outputs: one component per output, weighted per row in backward); ``ops.py`` wraps this in PyTorch
 operators and applies ``grad_output`` in backward. Every decision (chunk rows, dtypes, backend, scale,
@@ -23,15 +25,16 @@ reduces each output tile to them in its epilogue (kernels/matmul_stats.py) and n
 (``LossStep.from_matmul``).
 
 Buffers and their precision:
-  logits chunk  (chunk_rows, V_shard)   matmul dtype, or fp32 with ``logits_dtype=torch.float32``
+  logits chunk  (chunk_rows, tile_cols)  matmul dtype, or fp32 with ``logits_dtype=torch.float32``
+                                        (tile_cols = V_shard unless the vocabulary is tiled)
   G chunk       same buffer as logits (overwritten in place; each earlier gradient component of a step
                 has a buffer of its own). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
-  dX            (N, H)                  hidden dtype (each row is one full-V matmul, fp32 inside cuBLAS);
-                                        fp32 (then cast once) with a hi + lo G, and for vocab-parallel
-                                        partials summed across ranks (in ``accum_dtype``)
+  dX            (N, H)                  ``plan.grad_input_dtype``: fp32 by default (kept until backward
+                                        rounds it once; summed there over vocabulary tiles and vocab-parallel
+                                        shards); the hidden dtype on CUDA with torch < 2.8
   dW            (V_shard, H)            ``plan.accum_dtype`` (fp32 default): summed over chunks, so the
                                         narrow dtype would round once per chunk; with one chunk it is a
                                         single matmul written in the weight's dtype
@@ -112,17 +115,21 @@ def run_chunks(plan: Plan, head, rows: Rows, step) -> ChunkOutputs:
     the step's gradient components (d(...)/d(logits) of the chunk), which the head backpropagates."""
     if plan.stats_in_matmul:
         return ChunkOutputs(step=step.from_matmul(plan, head, rows), grads=((None,) * 5,))
+    assert not (plan.tiled and step.compute), "vocabulary tiles only for a step without statistics"
     head.start(plan, rows)
     for start, end in plan.chunks():
-        _run_chunk(head, rows, step, start, end)
+        for cols in plan.tiles() if plan.tiled else (None,):
+            _run_chunk(head, rows, step, start, end, cols)
     return ChunkOutputs(step=step, grads=head.finish())
 
 
-def _run_chunk(head, rows: Rows, step, start: int, end: int) -> None:
+def _run_chunk(head, rows: Rows, step, start: int, end: int, cols: tuple[int, int] | None) -> None:
     # A function of its own so that no view of the chunk buffers outlives the loop: head.finish() frees
-    # them before the dW result takes their memory (plan.py).
-    logits = head.logits(start, end)
+    # them before the dW result takes their memory (plan.py). ``cols``: the vocabulary tile, None for all.
+    logits = head.logits(start, end, cols)
     target = rows.target[start:end]
+    if cols is not None:  # columns of the tile; -1 where the label is in another tile (as for another shard)
+        target = torch.where((target >= cols[0]) & (target < cols[1]), target - cols[0], -1)
     step.stats(logits, target, start, end)
     for k, make_grad in enumerate(step.grads):
         grad, grad_lo = head.grad_buffers(start, end, k)
@@ -195,15 +202,16 @@ class TokenStep:
     and gradients of ``sum_i a_i logprob_i + b_i entropy_i``.
 
     In forward (``weights=None``) it computes the outputs and, for each name in ``components`` ("logprob",
-    "entropy"), one gradient component with unit weights, which backward weights per row. In backward
+    "entropy"), one gradient component with one weight for every row (``logprob_weight`` for the logprob,
+    1 for the entropy), which backward weights per row. In backward
     (``weights=(a, b)`` per kept row, either may be None; the forward's ``lse`` and ``entropy`` given) it skips
     the outputs and makes the one gradient of the weighted sum.
     """
 
     def __init__(self, plan: Plan, device: torch.device, *, need_argmax: bool = False, components: tuple = (),
-                 weights: tuple | None = None, lse: torch.Tensor | None = None,
+                 logprob_weight: float = 1.0, weights: tuple | None = None, lse: torch.Tensor | None = None,
                  entropy: torch.Tensor | None = None) -> None:
-        self.plan, self.compute = plan, weights is None
+        self.plan, self.compute, self.logprob_weight = plan, weights is None, logprob_weight
         if self.compute:
             n = plan.n_rows
             self.logprob, self.entropy, self.lse = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(3))
@@ -223,8 +231,9 @@ class TokenStep:
 
     def _unit_grad(self, name: str):
         def make(logits, out, target, start, end, out_lo) -> None:
-            ones = torch.ones(end - start, dtype=torch.float32, device=logits.device)
-            self._token_grad(logits, out, target, start, end, *((ones, None) if name == "logprob" else (None, ones)))
+            value = self.logprob_weight if name == "logprob" else 1.0
+            same = torch.full((end - start,), value, dtype=torch.float32, device=logits.device)
+            self._token_grad(logits, out, target, start, end, *((same, None) if name == "logprob" else (None, same)))
 
         return make
 
@@ -290,10 +299,11 @@ class LinearHead:
     def start(self, plan: Plan, rows: Rows) -> None:
         self.plan, self.rows = plan, rows
         self.buffers = _chunk_buffers(
-            plan.chunk_rows, self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype, plan.split_grad,
-            plan.grad_components, self.device,
+            plan.chunk_rows, plan.tile_cols if plan.tiled else self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype,
+            plan.split_grad, plan.grad_components, self.device,
         )
         self.sets = [self._grad_set() for _ in range(plan.grad_components)]
+        self.row_parts: dict = {}  # dX / du rows of the chunk while they are summed over vocabulary tiles
         self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
 
     def _grad_set(self) -> dict:
@@ -308,45 +318,69 @@ class LinearHead:
             "b": _Accumulator(self.b.shape, plan.kept_dtype, self.device) if needs.low_rank_weight else None,
         }
 
-    def logits(self, start: int, end: int) -> torch.Tensor:
-        self.h = self.rows.gather(self.hidden, start, end)
-        logits = self.buffers.logits[: end - start]
-        _logits_into(logits, self.h, self.weight, self.bias)
+    def logits(self, start: int, end: int, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        vocab = self.weight.shape[0]
+        self.cols = cols or (0, vocab)
+        first, last = self.cols
+        if first == 0:  # the chunk's rows, gathered once for all its tiles
+            self.h = self.rows.gather(self.hidden, start, end)
+            self.u_rows = None if self.u is None else self.rows.gather(self.u, start, end)
+        tile = slice(first, last) if cols is not None else slice(None)
+        logits = _view(self.buffers.logits, end - start, last - first)
+        _logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
         if self.u is not None:
-            self.u_rows = self.rows.gather(self.u, start, end)
-            _matmul_accumulate(logits, self.u_rows, self.b.t(), first=False)
+            _matmul_accumulate(logits, self.u_rows, self.b[tile].t(), first=False)
         return logits
 
     def grad_buffers(self, start: int, end: int, component: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        grad, grad_lo = self.buffers.grad[component], self.buffers.grad_lo
-        self.grad = grad[: end - start]
-        self.grad_lo = None if grad_lo is None else grad_lo[: end - start]
+        grad, grad_lo, width = self.buffers.grad[component], self.buffers.grad_lo, self.cols[1] - self.cols[0]
+        self.grad = _view(grad, end - start, width)
+        self.grad_lo = None if grad_lo is None else _view(grad_lo, end - start, width)
         return self.grad, self.grad_lo
 
     def backprop(self, start: int, end: int, component: int = 0) -> None:
         grad, side, out = self.grad, self.side, self.sets[component]
+        first, last = self.cols
+        tile = slice(first, last)
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if self.grad_lo is None else (grad, self.grad_lo)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if out["hidden"] is not None:
-                _store_rows(out["hidden"], self.rows, start, end, dx_terms, self.weight)
-            if out["u"] is not None:
-                _store_rows(out["u"], self.rows, start, end, dx_terms, self.b)
+            for name, vocab_operand in (("hidden", self.weight), ("u", self.b)):
+                if out[name] is not None:
+                    self._store_rows(out[name], (component, name), start, end, dx_terms, vocab_operand[tile])
         if out["weight"] is not None:
-            out["weight"].add(grad.t(), self.h)
+            out["weight"].add(grad.t(), self.h, first=start == 0, rows=tile)
         if out["b"] is not None:
-            out["b"].add(grad.t(), self.u_rows)
+            out["b"].add(grad.t(), self.u_rows, first=start == 0, rows=tile)
         if out["bias"] is not None:
-            out["bias"] += grad.sum(dim=0, dtype=torch.float32)
-        if side is not None:  # the next component or chunk overwrites G
+            out["bias"][tile] += grad.sum(dim=0, dtype=torch.float32)
+        if side is not None:  # the next component, tile or chunk overwrites G
             torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def _store_rows(self, out: torch.Tensor, key: tuple, start: int, end: int, grad_terms: tuple,
+                    vocab_operand: torch.Tensor) -> None:
+        """out[chunk rows] (+)= sum(G_k @ vocab_operand) for this tile's columns: written by the first tile,
+        summed over the others; with dropped rows built in a buffer of the chunk's rows, scattered after the
+        last tile. ``out`` may be wider (fp32) than the G terms and the operand."""
+        first_tile, last_tile = self.cols[0] == 0, self.cols[1] == self.weight.shape[0]
+        if self.rows.index is None:
+            part = out[start:end]
+        elif first_tile:
+            part = self.row_parts[key] = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
+        else:
+            part = self.row_parts[key]
+        for k, term in enumerate(grad_terms):
+            _matmul_accumulate(part, term, vocab_operand, first=first_tile and k == 0)
+        if self.rows.index is not None and last_tile:
+            out.index_copy_(0, self.rows.index[start:end], part)
+            del self.row_parts[key]
 
     def finish(self) -> tuple:
         # Free the chunk buffers first: with several chunks the dW result takes their memory (plan.py).
-        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = None
+        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = self.row_parts = None
         plan = self.plan
         results = []
         for out in self.sets:  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)
@@ -390,7 +424,7 @@ class GivenLogits:
             alloc = torch.empty if rows.index is None else torch.zeros  # ignored rows: zero gradient
             self.grad_logits = alloc(self.given.shape, dtype=self.matmul_dtype, device=self.device)
 
-    def logits(self, start: int, end: int) -> torch.Tensor:
+    def logits(self, start: int, end: int, cols: None = None) -> torch.Tensor:
         if self.buffer is None:
             return self.given[start:end]
         out = self.buffer[: end - start]
@@ -457,9 +491,16 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
 
 @dataclass
 class ChunkBuffers:
-    logits: torch.Tensor  # (rows, V) in the logits dtype
-    grad: list  # per gradient component, (rows, V) in the matmul dtype; the last one in place of the logits
+    """Flat buffers with room for (chunk rows, tile columns) each; ``_view`` gives a chunk's (rows, cols)."""
+
+    logits: torch.Tensor  # in the logits dtype
+    grad: list  # per gradient component, in the matmul dtype; the last one in place of the logits
     grad_lo: torch.Tensor | None  # with fp32 logits from bf16/fp16 operands, G = hi + lo: lo's buffer
+
+
+def _view(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous (rows, cols) view of the start of a flat chunk buffer (cuBLAS writes it with out=)."""
+    return flat[: rows * cols].view(rows, cols)
 
 
 def _chunk_buffers(
@@ -476,7 +517,7 @@ def _chunk_buffers(
     flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     views, offset = [], 0
     for dtype, size in zip(parts, sizes):
-        views.append(flat[offset : offset + rows * vocab * dtype.itemsize].view(dtype).view(rows, vocab))
+        views.append(flat[offset : offset + rows * vocab * dtype.itemsize].view(dtype))
         offset += size
     if split_grad:
         return ChunkBuffers(logits=views[0], grad=[views[1]], grad_lo=views[2])
@@ -489,31 +530,19 @@ def _row_grad_buffer(like: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torc
     return alloc(like.shape, dtype=dtype, device=like.device)
 
 
-def _store_rows(
-    out: torch.Tensor, rows: Rows, start: int, end: int, grad_terms: tuple, weight: torch.Tensor
-) -> None:
-    """out[chunk rows] = sum(G_k @ weight); ``out`` may be wider (fp32) than the G terms and weight."""
-    part = out[start:end]
-    if rows.index is not None:
-        part = torch.empty((end - start, out.shape[1]), dtype=out.dtype, device=out.device)
-    for k, term in enumerate(grad_terms):
-        _matmul_accumulate(part, term, weight, first=k == 0)
-    if rows.index is not None:
-        out.index_copy_(0, rows.index[start:end], part)
-
-
 class _Accumulator:
-    """A weight gradient summed over chunks in ``dtype``; the first chunk writes instead of adding."""
+    """A weight gradient summed over chunks in ``dtype``; the first chunk writes (each tile's rows) instead of
+    adding."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.total: torch.Tensor | None = None
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        first = self.total is None
-        if first:
+    def add(self, a: torch.Tensor, b: torch.Tensor, *, first: bool, rows: slice = slice(None)) -> None:
+        """total[rows] = a @ b (``first``: the first chunk) or += a @ b; ``rows``: a vocabulary tile's rows."""
+        if self.total is None:
             self.total = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        _matmul_accumulate(self.total, a, b, first=first)
+        _matmul_accumulate(self.total[rows], a, b, first=first)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         """The sum in ``dtype`` (the accumulator itself when it already has that dtype)."""

@@ -305,7 +305,7 @@ def linear_cross_entropy_backward(
                     accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, False, False)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
-                     class_weight=_class_weight(class_weight, weight))
+                     class_weight=_class_weight(class_weight, weight), vocab_tiles=True)
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
     out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=_kept(lse, rows), row_scale=row_scale))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
@@ -429,7 +429,12 @@ def _rescaled(grads: list[Tensor], dtypes: list[torch.dtype], grad_output: Tenso
     input's dtype); in eager mode a factor of exactly 1.0 returns the gradients kept in that dtype as they are."""
     if _traced(grad_output):
         return [g.to(dtype) for g, dtype in zip(rescale_grads(grads, grad_output, scale, scaling), dtypes)]
-    factor = grad_factor(grad_output, _scaling(scale, scaling))
+    return _apply_factor(grads, dtypes, grad_factor(grad_output, _scaling(scale, scaling)))
+
+
+def _apply_factor(grads: list[Tensor], dtypes: list[torch.dtype], factor: float) -> list[Tensor]:
+    """Eager: each gradient times ``factor``, out of place, rounded once to its ``dtypes`` entry; a factor of
+    exactly 1.0 returns the gradients already in that dtype as they are."""
     if factor == 1.0:
         return [g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, dtypes)]
     return [torch.mul(g, factor, out=g.new_empty(g.shape, dtype=dtype)) for g, dtype in zip(grads, dtypes)]

@@ -12,9 +12,15 @@ changes the cost, never the result):
 - frozen lm_head (only the hidden states or a LoRA input need gradients): each kept row's gradient with
   unit weight is formed in forward (dX_logprob, and dX_entropy with "logprobs_and_entropy"), and backward
   weights it per row: no recompute. An entropy weight that was not expected is recomputed.
-- trainable lm_head, "uniform" (SFT: the mean negative log-likelihood): the gradients of sum(logprobs) are
+- trainable lm_head, "uniform" (SFT: the mean negative log-likelihood): the gradients of that mean are
   made in forward as the loss makes them; backward checks that a is uniform over the kept rows and b is
   absent or zero, and rescales; otherwise it recomputes.
+
+The logprob component made in forward is the gradient of the mean negative log-probability over the kept
+rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32), the weight an SFT loss
+``-logprobs.sum() / count`` (or ``.mean()`` over the kept tokens) sends back: in eager mode such a backward
+returns the saved gradients untouched, as the loss does for grad_output = 1; any other uniform weight is one
+multiply (the loss's grad_output / scaling), non-uniform ones weight the rows (frozen head) or recompute.
 - trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits chunk by chunk.
 
 Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse), False (is_top1) and -1 (argmax).
@@ -27,9 +33,9 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .chunked import TokenStep, run_chunks
+from .chunked import TokenStep, label_ids, run_chunks
 from .loss import _check_low_rank, _check_tensors, _matmul_inputs
-from .ops import _empty, _kept, _linear_call, _refuse_double_backward, _scatter_rows, _shaped_like
+from .ops import _apply_factor, _empty, _kept, _linear_call, _refuse_double_backward, _scatter_rows, _shaped_like, _traced
 from .options import LossOptions, _check_real
 from .plan import GradNeeds, grad_dtypes, make_plan
 from .backends import backend_name
@@ -107,6 +113,12 @@ def token_stats(
     return TokenStats(logprobs, entropy, lse, is_top1, argmax)
 
 
+def mean_nll_weight(count: int) -> float:
+    """-1 / count rounded to fp32: the per-row weight of the logprob gradients made in forward (the gradient
+    of -sum(logprobs) / count, as autograd forms it in fp32)."""
+    return float(torch.tensor(-1.0, dtype=torch.float32) / max(count, 1))
+
+
 def _options(ignore_index: int, logit_scale: float, softcap: float | None, chunk_size: int | None) -> LossOptions:
     return LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
 
@@ -136,7 +148,9 @@ def linear_token_stats(
     components = ("logprob",) * precompute_logprob + ("entropy",) * precompute_entropy
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if components else GradNeeds(),
                      components=len(components), epilogue_stats=False)
-    out = run_chunks(plan, head, rows, TokenStep(plan, hidden.device, need_argmax=True, components=components))
+    step = TokenStep(plan, hidden.device, need_argmax=True, components=components,
+                     logprob_weight=mean_nll_weight(rows.count))
+    out = run_chunks(plan, head, rows, step)
     step, n, shape = out.step, labels.numel(), labels.shape
     per_token = [_scatter_rows(v, rows, n).view(shape) for v in (step.logprob, step.entropy, step.lse)]
     argmax = _scatter_rows(step.argmax + 1, rows, n).view(shape) - 1  # -1 at ignored positions
@@ -210,7 +224,7 @@ def linear_token_stats_backward(
         sub = GradNeeds(*(needs[i] and i in which for i in range(5)))
         if not sub.any() or (wa is None and wb is None):
             return
-        plan = make_plan(opts, backend, shard, rows, head, needs=sub, epilogue_stats=False)
+        plan = make_plan(opts, backend, shard, rows, head, needs=sub, epilogue_stats=False, vocab_tiles=True)
         step = TokenStep(plan, hidden.device, weights=(wa, wb), lse=_kept(lse.reshape(-1), rows),
                          entropy=_kept(entropy.reshape(-1), rows))
         for i, g in enumerate(run_chunks(plan, head, rows, step).grads[0]):
@@ -222,20 +236,22 @@ def linear_token_stats_backward(
     if any(needs[i] for i in vocab_inputs) and not vocab_from_forward:
         recompute(a, b, range(5))  # the vocabulary side needs the logits again: recompute it all
     else:
-        for weights, grads, precomputed in ((a, logprob_grads, has_lp), (b, entropy_grads, has_h)):
+        # the logprob component was made with the weight mean_nll_weight(count), the entropy one with 1
+        unit = mean_nll_weight(rows.count)
+        for weights, grads, precomputed, made_with in ((a, logprob_grads, has_lp, unit), (b, entropy_grads, has_h, 1.0)):
             if weights is None:
                 continue
             if not precomputed:
                 recompute(*((weights, None) if grads is logprob_grads else (None, weights)), row_inputs)
                 continue
-            per_row = _scatter_rows(weights, rows, labels.numel())
+            per_row = _scatter_rows(weights / made_with, rows, labels.numel())
             for i in row_inputs:
                 if needs[i]:
                     add(i, grads[i] * per_row.view(*inputs[i].shape[:-1], 1))
             if grads is logprob_grads and vocab_from_forward:
                 for i in vocab_inputs:
                     if needs[i]:
-                        add(i, grads[i] * a[0])
+                        add(i, grads[i] * (a[0] / unit))
     return tuple(
         _empty(hidden) if g is None or not need else g.to(x.dtype) for g, x, need in zip(total, inputs, needs)
     )
@@ -263,11 +279,34 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
     if (grad_logprobs is None and grad_entropy is None) or not any(ctx.needs):
         return (None,) * 5 + nothing
     hidden, weight, bias, u, b, labels, lse, entropy, *grads = ctx.saved_tensors
+    if not _traced(grad_logprobs) and any(g.numel() for g in grads[:5]):
+        factor = _uniform_factor(labels, ctx.options[0], grad_logprobs, grad_entropy)
+        if factor is not None:  # the logprob gradients made in forward serve, rescaled (eager: as the loss's)
+            kept = [(g, x.dtype) for g, x, need in zip(grads[:5], (hidden, weight, bias, u, b), ctx.needs) if need]
+            rescaled = iter(_apply_factor([g for g, _ in kept], [dtype for _, dtype in kept], factor))
+            return (*(next(rescaled) if need else None for need in ctx.needs), *nothing)
     result = linear_token_stats_backward(
         hidden, weight, bias, u, b, labels, lse, entropy, grad_logprobs, grad_entropy, grads[:5], grads[5:],
         list(ctx.needs), *ctx.options,
     )
     return (*(g if need else None for g, need in zip(result, ctx.needs)), *nothing)
+
+
+def _uniform_factor(labels: Tensor, ignore_index: int, grad_logprobs: Tensor | None,
+                    grad_entropy: Tensor | None) -> float | None:
+    """a / mean_nll_weight(count) when the logprob weight a is one value over the kept rows and the entropy
+    weight is absent or zero there; else None. One host sync."""
+    if grad_logprobs is None:
+        return None
+    kept = label_ids(labels) != ignore_index
+    a = grad_logprobs.reshape(-1).float()
+    parts = [kept.sum(), torch.where(kept, a, float("inf")).amin(), torch.where(kept, a, float("-inf")).amax()]
+    if grad_entropy is not None:
+        parts.append(torch.where(kept, grad_entropy.reshape(-1).float().abs(), 0.0).amax())
+    count, lowest, highest, *entropy_weight = torch.stack([p.double() for p in parts]).tolist()
+    if count == 0 or lowest != highest or any(w != 0 for w in entropy_weight):
+        return None  # (NaN weights land here too, and propagate through the custom op)
+    return lowest / mean_nll_weight(int(count))
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup)

@@ -78,6 +78,7 @@ class Plan:
     # rows and chunks
     n_rows: int
     chunk_rows: int
+    tile_cols: int  # vocabulary columns per tile: all of this shard's (shard.size) unless tiled (vocab_tiling)
     stats_in_matmul: bool  # forward without gradients: statistics from the matmul epilogue, no logits chunk
     # buffer dtypes (see the table in chunked.py)
     matmul_dtype: torch.dtype
@@ -96,6 +97,15 @@ class Plan:
         """(start, end) of each chunk of the kept rows."""
         for start in range(0, self.n_rows, self.chunk_rows):
             yield start, min(start + self.chunk_rows, self.n_rows)
+
+    @property
+    def tiled(self) -> bool:
+        return self.tile_cols < self.shard.size
+
+    def tiles(self):
+        """(start, end) of each tile of the shard's vocabulary columns (only when ``tiled``)."""
+        for start in range(0, self.shard.size, self.tile_cols):
+            yield start, min(start + self.tile_cols, self.shard.size)
 
     @property
     def need_sum(self) -> bool:
@@ -134,6 +144,7 @@ def make_plan(
     epilogue_stats: bool = True,
     class_weight: torch.Tensor | None = None,
     grad_z_loss: float | None = None,
+    vocab_tiles: bool = False,
 ) -> Plan:
     """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
     an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
@@ -143,7 +154,9 @@ def make_plan(
     ``components``: gradients the step makes per chunk (when ``needs`` has any); ``epilogue_stats``: whether
     the step's statistics are the loss's, which a no-grad forward may take from the matmul epilogue;
     ``class_weight``: the (V_shard,) fp32 class weights on the device; ``grad_z_loss``: the z-loss coefficient
-    of the gradient when it differs from the loss's (class weights divide the z-loss by the token count).
+    of the gradient when it differs from the loss's (class weights divide the z-loss by the token count);
+    ``vocab_tiles``: the step needs no statistics (a recompute in backward, the row's lse known), so a chunk may
+    cover a tile of the vocabulary instead of all of it (``vocab_tiling``).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
@@ -180,6 +193,13 @@ def make_plan(
             result_bytes = weight.numel() * weight_dtype.itemsize
         max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, accumulator_bytes, result_bytes)
     chunk_rows = split_rows(n_rows, max_rows)
+    tile_cols = shard.size
+    # (not with vocab parallelism: every rank's chunks stay those of chunk_vocab, in step with the others)
+    if (vocab_tiles and chunk_rows < n_rows and opts.chunk_size is None and not stats_in_matmul and not split_grad
+            and class_weight is None and components <= 1 and weight is not None and not keep_dw_wide
+            and shard.group is None):
+        chunk_rows, tile_cols = vocab_tiling(n_rows, shard.size, per_logit, row_bytes, chunk_rows,
+                                             accum_dtype.itemsize, weight_dtype.itemsize, result_bytes)
     if chunk_rows >= n_rows and not keep_dw_wide:  # one chunk: dW is one matmul (fp32 inside), rounded once
         accum_dtype = weight_dtype
 
@@ -196,6 +216,7 @@ def make_plan(
         need_argmax=need_argmax,
         n_rows=n_rows,
         chunk_rows=chunk_rows,
+        tile_cols=tile_cols,
         stats_in_matmul=stats_in_matmul,
         matmul_dtype=matmul_dtype,
         logits_dtype=logits_dtype,
@@ -284,6 +305,44 @@ def max_chunk_rows(
     if n_rows * bytes_per_row <= LOGITS_BUDGET_BYTES + accumulator_bytes:
         return max(n_rows, 1)
     return rows_within(bytes_per_row, LOGITS_BUDGET_BYTES + result_bytes)
+
+
+#: The narrowest vocabulary tile ``vocab_tiling`` considers: narrower ones make short-K matmuls.
+MIN_TILE_COLS = 1024
+
+
+def vocab_tiling(n_rows: int, vocab: int, per_logit: int, row_bytes: int, untiled_rows: int, accum_size: int,
+                 weight_size: int, result_bytes: int) -> tuple[int, int]:
+    """(chunk rows, tile columns) for a step without statistics: the fewest bytes of gradient traffic.
+
+    With whole-vocabulary chunks every chunk reads and writes the V x H dW accumulator; with tiles of the
+    vocabulary every tile reads and writes the chunk's dX rows instead. Per element of H (both scale with it)::
+
+        dW:  one row chunk: written once in the weight's dtype; c chunks: 2 c accum_size + the final rounding
+        dX:  one tile: written once in fp32; t tiles: 2 t * 4 (summed in fp32 over tiles)
+
+    The candidates: the untiled chunks (``untiled_rows``), and for k = 1, 2, ... row chunks the widest tile the
+    budget allows (``LOGITS_BUDGET_BYTES``; with several chunks plus the returned dW's ``result_bytes``, as
+    ``max_chunk_rows``; less the chunk's ``row_bytes`` per row). With one row chunk dW needs no accumulator.
+    """
+    def traffic(rows: int, cols: int) -> int:
+        chunks, tiles = -(-n_rows // rows), -(-vocab // cols)
+        dw = weight_size if chunks == 1 else 2 * chunks * accum_size + accum_size + weight_size
+        dx = 4 if tiles == 1 else 8 * tiles
+        return dw * vocab + dx * n_rows
+
+    best = (traffic(untiled_rows, vocab), untiled_rows, vocab)
+    for k in range(1, 17):
+        rows = split_rows(n_rows, -(-n_rows // k))
+        budget = LOGITS_BUDGET_BYTES + (result_bytes if k > 1 else 0)
+        cols = min(vocab, (budget - rows * row_bytes) // max(rows * per_logit, 1))
+        if cols < MIN_TILE_COLS:
+            continue  # (fewer rows per chunk, with more chunks, leave wider tiles)
+        cols = split_rows(vocab, cols)  # equal tiles, a multiple of 64 columns where that fits
+        candidate = (traffic(rows, cols), rows, cols)
+        if candidate[0] < best[0]:
+            best = candidate
+    return best[1], best[2]
 
 
 def split_rows(n_rows: int, max_rows: int) -> int:

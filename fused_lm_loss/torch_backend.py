@@ -215,8 +215,9 @@ def token_grad_logits(
     logit_scale: float,
     softcap: float | None,
 ) -> None:
-    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a chunk (see ``token_stats``), a = grad_logprob,
-    b = grad_entropy ((rows,) fp32, or None: no such term), E = lse - entropy::
+    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a chunk or a tile of its columns (see
+    ``token_stats``; target -1 where the label is elsewhere), a = grad_logprob, b = grad_entropy ((rows,) fp32,
+    or None: no such term), E = lse - entropy::
 
         dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (p_j (E - z_j) = 0 where p_j = 0)
 
@@ -227,7 +228,8 @@ def token_grad_logits(
     grad = torch.zeros_like(z)
     if grad_logprob is not None:
         grad -= p * grad_logprob[:, None]
-        grad[torch.arange(z.shape[0], device=z.device), target] += grad_logprob
+        rows = torch.nonzero(target >= 0).squeeze(1)  # -1: the label is in another tile / shard of the vocabulary
+        grad[rows, target[rows]] += grad_logprob[rows]
     if grad_entropy is not None:
         expected_z = lse - entropy
         grad += grad_entropy[:, None] * torch.where(p > 0, p * (expected_z[:, None] - z), torch.zeros_like(p))

@@ -303,9 +303,9 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, regime):
         chunk_rows.append(h.shape[0])
         return original_logits(out, h, *args)
 
-    def spy_add(self, a, b):
+    def spy_add(self, a, b, **kwargs):
         accumulated.append(self.dtype)
-        return original_add(self, a, b)
+        return original_add(self, a, b, **kwargs)
 
     monkeypatch.setattr(chunked, "_logits_into", spy_logits)
     monkeypatch.setattr(chunked._Accumulator, "add", spy_add)
@@ -379,3 +379,58 @@ def test_hook_changing_a_saved_gradient_in_place_makes_a_retained_backward_raise
     assert rel_err(hidden.grad, 2.0 * grads["hidden"]) <= 2e-4  # the hook's doubling, once
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=1.3)],
+                         ids=["plain", "smoothing-zloss-softcap"])
+def test_per_token_recompute_over_vocabulary_tiles(backend, monkeypatch, options):
+    """reduction="none" recomputes in backward for a per-token grad_output; with a vocabulary wider than the
+    budget allows in one chunk of all rows it tiles the columns: every gradient still equals float64."""
+    n, h, v = 50, 16, 280
+    hidden, weight, labels, bias = make_inputs(n, h, v, bias=True)
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    loss = FusedLMLoss(reduction="none", **options)(hidden, weight, labels, bias)
+    per_logit = 4 + (plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0)
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", n * 50 * per_logit + n * 200)
+    monkeypatch.setattr(plan, "MIN_TILE_COLS", 16)
+    widths = []
+    original = chunked._logits_into
+    monkeypatch.setattr(chunked, "_logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
+    grad_output = torch.randn(n)
+    loss.backward(grad_output)
+    assert len(widths) > 2 and max(widths) < v and sum(widths) % v == 0, widths
+    expected, grads = reference_loss(hidden, weight, labels, bias, reduction="none", grad_output=grad_output, **options)
+    assert rel_err(loss, expected) <= 1e-5
+    for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        assert rel_err(t.grad, grads[name]) <= 2e-5, name
+
+
+def test_vocab_tiling_picks_the_least_gradient_traffic(monkeypatch):
+    """plan.vocab_tiling: within the budget, equal tiles covering the vocabulary, and no candidate (the untiled
+    chunks, or k row chunks with the widest tile that fits) moves fewer bytes by its own traffic model."""
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", 240 * 2**20)
+    for n_rows, vocab, per_logit, row_bytes, untiled_rows, result in [
+        (7372, 256000, 2, 13824, 2496, 256000 * 2304 * 2),  # Gemma-2-2B's recompute on the H200
+        (7372, 151936, 2, 5376, 1536, 151936 * 896 * 2),  # Qwen2.5-0.5B
+        (29491, 128256, 2, 24576, 4224, 128256 * 4096 * 2),  # Llama-3-8B, N = 32768
+        (100, 300, 4, 64, 40, 300 * 16 * 4),
+    ]:
+        rows, cols = plan.vocab_tiling(n_rows, vocab, per_logit, row_bytes, untiled_rows, 4, 2, result)
+        chunks, tiles = -(-n_rows // rows), -(-vocab // cols)
+        budget = plan.LOGITS_BUDGET_BYTES + (result if chunks > 1 else 0)
+        assert cols == vocab or rows * (cols * per_logit + row_bytes) <= budget, (n_rows, vocab)
+        assert cols == vocab or tiles * cols - vocab < 64 * tiles  # balanced tiles, no sliver at the end
+
+        def traffic(r, c):
+            ch, t = -(-n_rows // r), -(-vocab // c)
+            return (2 if ch == 1 else 2 * ch * 4 + 6) * vocab + (4 if t == 1 else 8 * t) * n_rows
+
+        assert traffic(rows, cols) <= traffic(untiled_rows, vocab)
+        for k in range(1, 17):
+            r = plan.split_rows(n_rows, -(-n_rows // k))
+            c = min(vocab, (plan.LOGITS_BUDGET_BYTES + (result if k > 1 else 0) - r * row_bytes) // (r * per_logit))
+            if c >= plan.MIN_TILE_COLS:
+                assert traffic(rows, cols) <= traffic(r, c), (n_rows, vocab, k)
+    # all rows in one chunk with whole rows: nothing to tile (make_plan does not ask)
+    assert plan.vocab_tiling(10, 50, 4, 0, 10, 4, 4, 0) == (10, 50)

@@ -130,16 +130,21 @@ def test_patched_llama_compiles_fullgraph(monkeypatch):
     assert transformers is not None
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
-def test_token_stats_compile_fullgraph(frozen):
+@pytest.mark.parametrize("frozen,sft", [(False, False), (True, False), (False, True)],
+                         ids=["rl-trainable", "rl-frozen", "sft"])
+def test_token_stats_compile_fullgraph(frozen, sft):
     """The per-token outputs under torch.compile(fullgraph=True): the same outputs and gradients (random per-token
-    weights) as eager, one frame across different ignored counts."""
+    weights, or the SFT mean whose gradients forward makes) as eager, one frame across different ignored
+    counts."""
     from fused_lm_loss import token_stats
 
     step = Step(None)
     step.head.requires_grad_(not frozen)
 
     def rl_loss(x, y, a, b):
+        if sft:
+            out = token_stats(step.proj(x), step.head, y, expected_grads="uniform")
+            return -out.logprobs.sum() / (y != -100).sum()
         out = token_stats(step.proj(x), step.head, y, temperature=0.8)
         return (out.logprobs * a).sum() + (out.entropy * b).sum() + out.is_top1.float().sum() * 0
 

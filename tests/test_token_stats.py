@@ -117,6 +117,45 @@ def test_sft_through_token_stats_equals_the_loss(backend):
     assert rel_err(got[0], hidden.grad) <= 1e-6 and rel_err(got[1], weight.grad) <= 1e-6
 
 
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+@pytest.mark.parametrize("loss_of,factor", [
+    ("-sum / count", 1.0), ("-mean over kept", 1.0), ("-sum / count / 4 (accumulation)", 0.25),
+    ("sum / count", -1.0), ("-sum", None),
+])
+def test_uniform_weights_rescale_the_forward_gradients(backend, monkeypatch, head, loss_of, factor):
+    """The logprob gradients made in forward are those of the mean NLL over kept rows: an SFT loss sends back
+    exactly that weight (factor 1.0: the saved gradients as they are), any other uniform weight is one factor."""
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    factors = []
+    original = per_token._apply_factor
+    monkeypatch.setattr(per_token, "_apply_factor", lambda g, d, f: factors.append(f) or original(g, d, f))
+    calls = _count_recomputes(monkeypatch)
+    out = token_stats(hidden, weight, labels, expected_grads="uniform")
+    kept = labels != -100
+    count = int(kept.sum())
+    loss = {
+        "-sum / count": lambda lp: -lp.sum() / kept.sum(),
+        "-mean over kept": lambda lp: -lp[kept].mean(),
+        "-sum / count / 4 (accumulation)": lambda lp: -lp.sum() / kept.sum() / 4,
+        "sum / count": lambda lp: lp.sum() / kept.sum(),
+        "-sum": lambda lp: -lp.sum(),
+    }[loss_of](out.logprobs)
+    loss.backward()
+    assert len(calls) == 1  # the forward only
+    want_factor = count if factor is None else factor  # -sum: a = -1 = count * (-1 / count)
+    assert len(factors) == 1 and factors[0] == pytest.approx(want_factor, rel=1e-6)
+    if factor == 1.0:
+        assert factors[0] == 1.0
+    a = {"-sum / count": -1 / count, "-mean over kept": -1 / count, "-sum / count / 4 (accumulation)": -0.25 / count,
+         "sum / count": 1 / count, "-sum": -1.0}[loss_of]
+    _, grads = reference(hidden, weight, labels, a=torch.full((N,), a))
+    assert rel_err(hidden.grad, grads["hidden"]) <= 2e-6
+    if head == "trainable":
+        assert rel_err(weight.grad, grads["weight"]) <= 2e-6
+
+
 def test_low_rank_and_shapes(backend):
     """A LoRA term on lm_head (gradients to u and B), (B, T) shaped inputs, a non-default ignore_index."""
     hidden, weight, labels, _ = make_inputs(4 * 9, H, V, shape=(4, 9))
@@ -197,3 +236,42 @@ def test_bad_options_raise():
             token_stats(hidden, weight, labels, temperature=bad)
     with pytest.raises(ValueError, match="softcap"):
         token_stats(hidden, weight, labels, softcap=-2.0)
+
+
+def _spy_tile_widths(monkeypatch):
+    """The widths of the logits tiles the chunk loop computes."""
+    import fused_lm_loss.chunked as chunked
+
+    widths = []
+    original = chunked._logits_into
+    monkeypatch.setattr(chunked, "_logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
+    return widths
+
+
+@pytest.mark.parametrize("ignored", [True, False], ids=["some-ignored", "none-ignored"])
+def test_recompute_over_vocabulary_tiles_matches_float64(backend, monkeypatch, ignored):
+    """With a trainable head and per-token weights, backward recomputes; when the whole vocabulary does not fit
+    one chunk it tiles the columns (plan.vocab_tiling). Every gradient (hidden, weight, bias, a LoRA u and B)
+    against float64, with transforms, random logprob and entropy weights, the labels spread over all tiles."""
+    import fused_lm_loss.plan as plan
+
+    n, vocab = 45, 300
+    hidden, weight, labels, bias = make_inputs(n, H, vocab, bias=True, ignore_frac=0.2 if ignored else 0.0)
+    u = (torch.randn(n, 3) * 0.5).requires_grad_(True)
+    b_lr = (torch.randn(vocab, 3) * 0.5).requires_grad_(True)
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    transforms = dict(temperature=0.8, logit_scale=1.1, softcap=6.0)
+    out = token_stats(hidden, weight, labels, bias, low_rank=(u, b_lr), **transforms)  # forward: whole rows
+    # backward's plan: 40 columns of fp32 logits per kept row (tiles of ~40 columns, one row chunk)
+    per_logit = 4 + (plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0)
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", n * 40 * per_logit + n * 200)
+    monkeypatch.setattr(plan, "MIN_TILE_COLS", 16)
+    widths = _spy_tile_widths(monkeypatch)
+    a, b = torch.randn(n), torch.randn(n)
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()
+    assert len(widths) > 2 and max(widths) < vocab and sum(widths) % vocab == 0, widths  # tiles, each column once
+    _, grads = reference(hidden, weight, labels, bias, a=a, b=b, low_rank=(u, b_lr), **transforms)
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias), ("low_rank_input", u),
+                    ("low_rank_weight", b_lr)):
+        assert rel_err(t.grad, grads[name]) <= 2e-5, name

@@ -264,9 +264,10 @@ def token_grad_logits(
     logit_scale: float,
     softcap: float | None,
 ) -> None:
-    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a (rows, V) chunk holding the whole vocabulary
-    (``token_stats``), a = grad_logprob, b = grad_entropy ((rows,) fp32, or None: no such term), into ``out``
-    (which may be ``logits`` itself), in out's dtype. With p = exp(z - lse) and E = lse - entropy = E_p[z]::
+    """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a (rows, V) chunk (``token_stats``; any
+    columns of the vocabulary: lse and entropy are the whole row's, target -1 where the label is elsewhere),
+    a = grad_logprob, b = grad_entropy ((rows,) fp32, or None: no such term), into ``out`` (which may be
+    ``logits`` itself), in out's dtype. With p = exp(z - lse) and E = lse - entropy = E_p[z]::
 
         dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (b p_j (E - z_j) = 0 where p_j = 0)
 
