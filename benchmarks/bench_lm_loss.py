@@ -50,9 +50,13 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# FUSED_LM_LOSS_ROOT: time the library of another checkout (an A/B against an earlier commit, in one call)
+sys.path.insert(0, os.environ.get("FUSED_LM_LOSS_ROOT") or os.path.join(os.path.dirname(__file__), ".."))
 import peers  # noqa: E402  (benchmarks/peers.py)
-from fused_lm_loss import FusedLMLoss, token_stats  # noqa: E402
+import fused_lm_loss  # noqa: E402
+from fused_lm_loss import FusedLMLoss  # noqa: E402
+
+token_stats = getattr(fused_lm_loss, "token_stats", None)  # (not in checkouts before session 9)
 
 SHAPES = {
     "llama3-8b": (8192, 4096, 128256),
@@ -217,8 +221,9 @@ def implementations(env, include_variants=True):
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         impls["torch_chunked"] = impl_torch_chunked
     impls.update(load_peers(env))
-    impls["token_sft"] = impl_token_sft
-    impls["token_rl"] = impl_token_rl
+    if token_stats is not None:
+        impls["token_sft"] = impl_token_sft
+        impls["token_rl"] = impl_token_rl
     if "trl_head" in impls:
         impls["trl_rl"] = peer_trl_rl()
     return impls
@@ -358,6 +363,7 @@ def main():
         "triton": peers.version("triton"),
         "python": platform.python_version(),
         "cuda": torch.version.cuda,
+        "library": os.path.abspath(os.path.dirname(fused_lm_loss.__file__)),
     }
     impls = implementations(env)
     if args.rows:

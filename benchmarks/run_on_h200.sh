@@ -5,6 +5,7 @@
 # with PROFILE set, also set TESTS=0 or BENCH=0 to stay within 10.
 #   PROFILE="steps"                            benchmarks/profile_steps.py (any flags may follow the name:
 #   PROFILE="timeline --shapes qwen2.5-0.5b"   PROFILE="forward --repeats 5"); PROFILE=1 means "steps"
+# AB_ROOT=.old (another checkout of the repo, carried): the fused rows for this tree and that one, interleaved.
 # HF/peft tests on CUDA, the examples and bench_models.py: benchmarks/run_on_h200_integration.sh.
 #
 # Wheels to carry (the device has no network; .whl/ is git-ignored: name it in the call's carry). Made here,
@@ -52,6 +53,21 @@ if [ -n "${PROFILE:-}" ]; then
     timeout 150 python3 "$script" "$@" > "$OUT/profile.log" 2>&1
     echo "$script $* exited $?"
     grep -v "Warn\|warn" "$OUT/profile.log" | cut -c1-220 | tail -n 120
+fi
+if [ -n "${AB_ROOT:-}" ]; then
+    # A/B against another checkout of the library (e.g. `git archive COMMIT | tar -x -C .old`, carried): the
+    # benchmark with AB_FLAGS for this tree and AB_ROOT in turn, AB_ROUNDS times, each in its own process
+    AB_FLAGS=${AB_FLAGS:-"--rows fused --main-only --budget-ms 300"}
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+        for side in this "$AB_ROOT"; do
+            name=ab_${round}_$(basename "$side")
+            # shellcheck disable=SC2086
+            FUSED_LM_LOSS_ROOT=$([ "$side" = this ] || echo "$PWD/$side") timeout "${AB_TIMEOUT:-120}" \
+                python3 benchmarks/bench_lm_loss.py $AB_FLAGS --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+            echo "$name exited $?"
+            grep -E "\| (floor|fused[a-z_]*) \|" "$OUT/$name/table.md" 2>/dev/null | cut -d'|' -f2,7-10
+        done
+    done
 fi
 if [ "${BENCH:-1}" != 0 ]; then
     BENCH_FLAGS=${BENCH_FLAGS:-"--shapes llama3-8b,llama3-8b-32k,qwen2.5-7b,gemma2-2b,qwen2.5-0.5b --peers-main-only --budget-ms 800"}
