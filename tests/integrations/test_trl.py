@@ -63,6 +63,8 @@ def _train(tmp_path, *, impl: str, kind: str = "plain", lora: bool = False, grad
         output_dir=str(tmp_path / impl), per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
         max_steps=3, logging_steps=1, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2,
         report_to=[], save_strategy="no", use_cpu=TEST_DEVICE == "cpu", seed=0, learning_rate=0.5,
+        # on a GPU run TRL's collator makes its tensors on the default device (CUDA), which cannot be pinned
+        dataloader_pin_memory=False,
         # fp32 (SFTConfig's default is bf16 autocast), and SGD (Adam would turn round-off in near-zero gradients
         # into whole steps): so that the two heads agree to fp32 round-off
         bf16=False, optim="sgd",
@@ -178,7 +180,7 @@ def test_trainer_label_smoothing_factor_warns(tmp_path):
     model = fused_lm_loss.patch(make_model("llama"))
     config = transformers.TrainingArguments(
         output_dir=str(tmp_path / "smooth"), per_device_train_batch_size=2, max_steps=1, report_to=[],
-        save_strategy="no", use_cpu=TEST_DEVICE == "cpu", label_smoothing_factor=0.1,
+        save_strategy="no", use_cpu=TEST_DEVICE == "cpu", label_smoothing_factor=0.1, dataloader_pin_memory=False,
     )
     with pytest.warns(UserWarning, match="label_smoothing_factor"):
         transformers.Trainer(model=model, args=config, train_dataset=_dataset()).train()
