@@ -9,19 +9,20 @@ log-sum-exp, whether the label is the top-1 token, and the argmax, with gradient
 what can be done in forward, where the weights are still unknown (``expected_grads`` says what to expect; it
 changes the cost, never the result):
 
-- frozen lm_head (only the hidden states or a LoRA input need gradients): each kept row's gradient with
-  unit weight is formed in forward (dX_logprob, and dX_entropy with "logprobs_and_entropy"), and backward
-  weights it per row: no recompute. An entropy weight that was not expected is recomputed.
+- frozen lm_head (only the hidden states or a LoRA input need gradients): each kept row's gradient is
+  formed in forward (dX_logprob, and dX_entropy with "logprobs_and_entropy"), and backward weights it per
+  row on the device: no recompute, no host sync. An entropy weight that was not expected is recomputed.
 - trainable lm_head, "uniform" (SFT: the mean negative log-likelihood): the gradients of that mean are
-  made in forward as the loss makes them; backward checks that a is uniform over the kept rows and b is
-  absent or zero, and rescales; otherwise it recomputes.
+  made in forward as the loss makes them; backward checks (one host sync) that a is uniform over the kept
+  rows and b is absent or zero there, and rescales; otherwise it recomputes.
+- trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits, chunk by chunk or
+  over tiles of the vocabulary (plan.vocab_tiling: it knows each row's lse from forward).
 
 The logprob component made in forward is the gradient of the mean negative log-probability over the kept
-rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32), the weight an SFT loss
-``-logprobs.sum() / count`` (or ``.mean()`` over the kept tokens) sends back: in eager mode such a backward
-returns the saved gradients untouched, as the loss does for grad_output = 1; any other uniform weight is one
-multiply (the loss's grad_output / scaling), non-uniform ones weight the rows (frozen head) or recompute.
-- trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits chunk by chunk.
+rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32, returned by the forward operator), the
+weight an SFT loss ``-logprobs.sum() / count`` (or ``.mean()`` over the kept tokens) sends back: in eager
+mode that backward returns the saved gradients untouched, as the loss does for grad_output = 1; any other
+uniform weight is one multiply (the loss's grad_output / scaling). The entropy component has weight 1.
 
 Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse), False (is_top1) and -1 (argmax).
 """
@@ -139,17 +140,18 @@ def linear_token_stats(
     softcap: Optional[float],
     chunk_size: Optional[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor]:
-    """(logprobs, entropy, lse, argmax, then for each of the logprob and entropy components the gradients of
-    its sum over kept tokens w.r.t. (hidden, weight, bias, u, B)), per-token outputs shaped like labels; a
+           Tensor, Tensor]:
+    """(logprobs, entropy, lse, argmax, the logprob component's weight (a () fp32 tensor), then for each of the
+    logprob and entropy components the gradients w.r.t. (hidden, weight, bias, u, B) of the sum of its output
+    over kept tokens, weighted by -1/count (logprob) or 1 (entropy)), per-token outputs shaped like labels; a
     component's gradients are made only when it is precomputed and ``needs`` asks, else (0,)."""
     opts = _options(ignore_index, logit_scale, softcap, chunk_size)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
     components = ("logprob",) * precompute_logprob + ("entropy",) * precompute_entropy
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if components else GradNeeds(),
                      components=len(components), epilogue_stats=False)
-    step = TokenStep(plan, hidden.device, need_argmax=True, components=components,
-                     logprob_weight=mean_nll_weight(rows.count))
+    unit = mean_nll_weight(rows.count)
+    step = TokenStep(plan, hidden.device, need_argmax=True, components=components, logprob_weight=unit)
     out = run_chunks(plan, head, rows, step)
     step, n, shape = out.step, labels.numel(), labels.shape
     per_token = [_scatter_rows(v, rows, n).view(shape) for v in (step.logprob, step.entropy, step.lse)]
@@ -161,7 +163,7 @@ def linear_token_stats(
         [_empty(hidden) for _ in inputs]
         for name in ("logprob", "entropy")
     ]
-    return (*per_token, argmax, *sets[0], *sets[1])
+    return (*per_token, argmax, torch.tensor(unit, dtype=torch.float32, device=hidden.device), *sets[0], *sets[1])
 
 
 @linear_token_stats.register_fake
@@ -170,6 +172,7 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, prec
     shape = labels.shape
     outputs = [hidden.new_empty(shape, dtype=torch.float32) for _ in range(3)]
     outputs.append(hidden.new_empty(shape, dtype=torch.int64))
+    outputs.append(hidden.new_empty((), dtype=torch.float32))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     opts = _options(ignore_index, logit_scale, softcap, chunk_size)
     dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
@@ -192,6 +195,7 @@ def linear_token_stats_backward(
     labels: Tensor,
     lse: Tensor,
     entropy: Tensor,
+    logprob_unit: Tensor,
     grad_logprobs: Optional[Tensor],
     grad_entropy: Optional[Tensor],
     logprob_grads: Sequence[Tensor],
@@ -231,13 +235,14 @@ def linear_token_stats_backward(
             if g is not None:
                 add(i, g.view(inputs[i].shape))
 
-    uniform = a is not None and rows.count > 0 and bool(a.min() == a.max())
-    vocab_from_forward = any(needs[i] for i in vocab_inputs) and has_lp and uniform and b is None
-    if any(needs[i] for i in vocab_inputs) and not vocab_from_forward:
+    vocab_side = any(needs[i] for i in vocab_inputs)
+    # (checked only where it decides something: a host sync)
+    uniform = vocab_side and has_lp and b is None and rows.count > 0 and bool(a.min() == a.max())
+    vocab_from_forward = vocab_side and uniform
+    if vocab_side and not vocab_from_forward:
         recompute(a, b, range(5))  # the vocabulary side needs the logits again: recompute it all
     else:
-        # the logprob component was made with the weight mean_nll_weight(count), the entropy one with 1
-        unit = mean_nll_weight(rows.count)
+        unit = float(logprob_unit)  # the logprob component's weight in forward (the entropy one's: 1)
         for weights, grads, precomputed, made_with in ((a, logprob_grads, has_lp, unit), (b, entropy_grads, has_h, 1.0)):
             if weights is None:
                 continue
@@ -258,19 +263,19 @@ def linear_token_stats_backward(
 
 
 @linear_token_stats_backward.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entropy, grad_logprobs, grad_entropy,
-      logprob_grads, entropy_grads, needs, *options):
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entropy, logprob_unit, grad_logprobs,
+      grad_entropy, logprob_grads, entropy_grads, needs, *options):
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
 
 
 def _setup(ctx, inputs, output) -> None:
     hidden, weight, bias, u, b, labels, needs, _, _, *options = inputs
-    logprobs, entropy, lse, argmax, *grads = output
+    logprobs, entropy, lse, argmax, unit, *grads = output
     ctx.needs, ctx.options = tuple(needs), tuple(options)
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, argmax, *grads)
-    ctx.save_for_backward(hidden, weight, bias, u, b, labels, lse, entropy, *grads)
+    ctx.mark_non_differentiable(lse, argmax, unit, *grads)
+    ctx.save_for_backward(hidden, weight, bias, u, b, labels, lse, entropy, unit, *grads)
 
 
 def _backward(ctx, grad_logprobs, grad_entropy, *unused):
@@ -278,35 +283,52 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
     nothing = (None,) * 8  # labels, needs, the two precompute flags, the options
     if (grad_logprobs is None and grad_entropy is None) or not any(ctx.needs):
         return (None,) * 5 + nothing
-    hidden, weight, bias, u, b, labels, lse, entropy, *grads = ctx.saved_tensors
-    if not _traced(grad_logprobs) and any(g.numel() for g in grads[:5]):
-        factor = _uniform_factor(labels, ctx.options[0], grad_logprobs, grad_entropy)
+    hidden, weight, bias, u, b, labels, lse, entropy, unit, *grads = ctx.saved_tensors
+    inputs, logprob_grads, entropy_grads = (hidden, weight, bias, u, b), grads[:5], grads[5:]
+    has_lp, has_h = (any(g.numel() for g in component) for component in (logprob_grads, entropy_grads))
+    rows_only = not any(ctx.needs[i] for i in (1, 2, 4))
+    if rows_only and (grad_logprobs is None or has_lp) and (grad_entropy is None or has_h):
+        # frozen head: every needed gradient made in forward, weighted per row; no host sync, no recompute
+        kept = label_ids(labels).view(labels.shape) != ctx.options[0]
+        weights = [(logprob_grads, grad_logprobs, unit), (entropy_grads, grad_entropy, None)]
+        result = []
+        for i, (x, need) in enumerate(zip(inputs, ctx.needs)):
+            total = None
+            for component, per_token, made_with in weights:
+                if need and per_token is not None:
+                    w = per_token.float() if made_with is None else per_token.float() / made_with
+                    term = component[i] * torch.where(kept, w, 0.0).unsqueeze(-1)  # (ignored rows: 0, as autograd)
+                    total = term if total is None else total + term
+            result.append(None if total is None else total.to(x.dtype))
+        return (*result, *nothing)
+    if not _traced(grad_logprobs) and has_lp:
+        factor = _uniform_factor(labels, ctx.options[0], unit, grad_logprobs, grad_entropy)
         if factor is not None:  # the logprob gradients made in forward serve, rescaled (eager: as the loss's)
-            kept = [(g, x.dtype) for g, x, need in zip(grads[:5], (hidden, weight, bias, u, b), ctx.needs) if need]
+            kept = [(g, x.dtype) for g, x, need in zip(logprob_grads, inputs, ctx.needs) if need]
             rescaled = iter(_apply_factor([g for g, _ in kept], [dtype for _, dtype in kept], factor))
             return (*(next(rescaled) if need else None for need in ctx.needs), *nothing)
     result = linear_token_stats_backward(
-        hidden, weight, bias, u, b, labels, lse, entropy, grad_logprobs, grad_entropy, grads[:5], grads[5:],
-        list(ctx.needs), *ctx.options,
+        hidden, weight, bias, u, b, labels, lse, entropy, unit, grad_logprobs, grad_entropy, logprob_grads,
+        entropy_grads, list(ctx.needs), *ctx.options,
     )
     return (*(g if need else None for g, need in zip(result, ctx.needs)), *nothing)
 
 
-def _uniform_factor(labels: Tensor, ignore_index: int, grad_logprobs: Tensor | None,
+def _uniform_factor(labels: Tensor, ignore_index: int, unit: Tensor, grad_logprobs: Tensor | None,
                     grad_entropy: Tensor | None) -> float | None:
-    """a / mean_nll_weight(count) when the logprob weight a is one value over the kept rows and the entropy
-    weight is absent or zero there; else None. One host sync."""
+    """a / unit (the logprob component's weight in forward) when the logprob weight a is one value over the
+    kept rows and the entropy weight is absent or zero there; else None. One host sync."""
     if grad_logprobs is None:
         return None
     kept = label_ids(labels) != ignore_index
     a = grad_logprobs.reshape(-1).float()
-    parts = [kept.sum(), torch.where(kept, a, float("inf")).amin(), torch.where(kept, a, float("-inf")).amax()]
+    parts = [unit, torch.where(kept, a, float("inf")).amin(), torch.where(kept, a, float("-inf")).amax()]
     if grad_entropy is not None:
         parts.append(torch.where(kept, grad_entropy.reshape(-1).float().abs(), 0.0).amax())
-    count, lowest, highest, *entropy_weight = torch.stack([p.double() for p in parts]).tolist()
-    if count == 0 or lowest != highest or any(w != 0 for w in entropy_weight):
-        return None  # (NaN weights land here too, and propagate through the custom op)
-    return lowest / mean_nll_weight(int(count))
+    made_with, lowest, highest, *entropy_weight = torch.stack(parts).tolist()
+    if lowest != highest or any(w != 0 for w in entropy_weight):
+        return None  # (no kept row: inf != -inf; NaN weights land here too, and propagate through the custom op)
+    return lowest / made_with
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup)

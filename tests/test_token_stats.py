@@ -145,9 +145,12 @@ def test_uniform_weights_rescale_the_forward_gradients(backend, monkeypatch, hea
     loss.backward()
     assert len(calls) == 1  # the forward only
     want_factor = count if factor is None else factor  # -sum: a = -1 = count * (-1 / count)
-    assert len(factors) == 1 and factors[0] == pytest.approx(want_factor, rel=1e-6)
-    if factor == 1.0:
-        assert factors[0] == 1.0
+    if head == "frozen":
+        assert factors == []  # only per-token inputs: weighted per row on the device, whatever the weights
+    else:
+        assert len(factors) == 1 and factors[0] == pytest.approx(want_factor, rel=1e-6)
+        if factor == 1.0:
+            assert factors[0] == 1.0
     a = {"-sum / count": -1 / count, "-mean over kept": -1 / count, "-sum / count / 4 (accumulation)": -0.25 / count,
          "sum / count": 1 / count, "-sum": -1.0}[loss_of]
     _, grads = reference(hidden, weight, labels, a=torch.full((N,), a))
@@ -275,3 +278,22 @@ def test_recompute_over_vocabulary_tiles_matches_float64(backend, monkeypatch, i
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias), ("low_rank_input", u),
                     ("low_rank_weight", b_lr)):
         assert rel_err(t.grad, grads[name]) <= 2e-5, name
+
+
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+def test_weights_at_ignored_positions_do_not_reach_the_gradients(backend, head):
+    """Ignored positions' outputs are constants (0), so whatever weight they get (even NaN or inf) contributes
+    nothing, as autograd through torch.where gives; the kept rows' gradients are exact."""
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    ignored = labels == -100
+    assert ignored.any()
+    out = token_stats(hidden, weight, labels, expected_grads="logprobs_and_entropy")
+    a, b = torch.randn(N), torch.randn(N)
+    a[ignored], b[ignored] = float("nan"), float("inf")
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()  # (the value is NaN; its gradients are not)
+    _, grads = reference(hidden, weight, labels, a=torch.where(ignored, 0.0, a), b=torch.where(ignored, 0.0, b))
+    assert rel_err(hidden.grad, grads["hidden"]) <= 2e-5
+    if head == "trainable":
+        assert rel_err(weight.grad, grads["weight"]) <= 2e-5
