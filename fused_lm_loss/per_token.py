@@ -163,7 +163,9 @@ def linear_token_stats(
         [_empty(hidden) for _ in inputs]
         for name in ("logprob", "entropy")
     ]
-    return (*per_token, argmax, torch.tensor(unit, dtype=torch.float32, device=hidden.device), *sets[0], *sets[1])
+    # (torch.full, not torch.tensor: a host-to-device copy would wait for the whole forward on CUDA)
+    unit_tensor = torch.full((), unit, dtype=torch.float32, device=hidden.device)
+    return (*per_token, argmax, unit_tensor, *sets[0], *sets[1])
 
 
 @linear_token_stats.register_fake
