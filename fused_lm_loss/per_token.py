@@ -110,7 +110,8 @@ def token_stats(
         *tensors, labels, needs, precompute_logprob, precompute_entropy, opts.ignore_index, scale, cap,
         opts.chunk_size,
     )[:4]
-    is_top1 = (argmax == labels) & (labels != opts.ignore_index)
+    ids = label_ids(labels).view(labels.shape)  # (as int64: a uint8 label 156 compared with -100 would match it)
+    is_top1 = (argmax == ids) & (ids != opts.ignore_index)
     return TokenStats(logprobs, entropy, lse, is_top1, argmax)
 
 

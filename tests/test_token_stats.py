@@ -297,3 +297,33 @@ def test_weights_at_ignored_positions_do_not_reach_the_gradients(backend, head):
     assert rel_err(hidden.grad, grads["hidden"]) <= 2e-5
     if head == "trainable":
         assert rel_err(weight.grad, grads["weight"]) <= 2e-5
+
+
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+@pytest.mark.parametrize("dtype,ignore_index", [(torch.int32, -100), (torch.int16, -100), (torch.int8, -100),
+                                                (torch.uint8, 7), (torch.uint8, -100)], ids=str)
+def test_every_integer_label_dtype(backend, dtype, ignore_index, head):
+    """Labels of any integer dtype give the outputs and gradients of their int64 values. uint8 label 156 is a
+    class (torch compares uint8 with -100 modulo 256, so ``labels != -100`` would call it ignored), and an
+    unsigned dtype cannot hold -100: ignore_index=7 ignores there, -100 ignores nothing."""
+    vocab = 120 if dtype == torch.int8 else 200
+    hidden, weight, labels, _ = make_inputs(20, 8, vocab, ignore_frac=0.0)
+    if ignore_index >= 0 or dtype.is_signed:
+        labels[::4] = ignore_index
+    if vocab > 156:
+        labels[3] = 156
+        weight[156] = hidden[3] * 3  # its top-1 is 156 (logit 3 |h|^2): is_top1 must say so
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    out = token_stats(hidden, weight, labels.to(dtype), ignore_index=ignore_index)
+    a = torch.randn(20)
+    (out.logprobs * a).sum().backward()
+    (logprobs, _, _, argmax), grads = reference(hidden, weight, labels, a=a, ignore_index=ignore_index)
+    assert rel_err(out.logprobs, logprobs) <= 2e-6
+    assert torch.equal(out.argmax, argmax)
+    assert torch.equal(out.is_top1, (argmax == labels) & (labels != ignore_index))
+    if vocab > 156:
+        assert bool(out.is_top1[3])
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if name in grads:
+            assert rel_err(t.grad, grads[name]) <= 2e-5, name
