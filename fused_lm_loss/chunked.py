@@ -319,13 +319,12 @@ class LinearHead:
         }
 
     def logits(self, start: int, end: int, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        vocab = self.weight.shape[0]
-        self.cols = cols or (0, vocab)
+        self.cols = cols or (0, self.weight.shape[0])
         first, last = self.cols
         if first == 0:  # the chunk's rows, gathered once for all its tiles
             self.h = self.rows.gather(self.hidden, start, end)
             self.u_rows = None if self.u is None else self.rows.gather(self.u, start, end)
-        tile = slice(first, last) if cols is not None else slice(None)
+        tile = slice(first, last)
         logits = _view(self.buffers.logits, end - start, last - first)
         _logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
         if self.u is not None:

@@ -121,6 +121,13 @@ def mean_nll_weight(count: int) -> float:
     return float(torch.tensor(-1.0, dtype=torch.float32) / max(count, 1))
 
 
+def _weighted_rows(grad: Tensor, per_token: Tensor, made_with: Tensor | float, kept: Tensor) -> Tensor:
+    """A per-token input's gradient made in forward with the weight ``made_with`` on every row, reweighted to
+    ``per_token`` (shaped like the labels): 0 at ignored positions (``kept`` False) whatever their weight, as
+    autograd gives for outputs that are constants there."""
+    return grad * torch.where(kept, per_token.float() / made_with, 0.0).unsqueeze(-1)
+
+
 def _options(ignore_index: int, logit_scale: float, softcap: float | None, chunk_size: int | None) -> LossOptions:
     return LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
 
@@ -246,16 +253,17 @@ def linear_token_stats_backward(
         recompute(a, b, range(5))  # the vocabulary side needs the logits again: recompute it all
     else:
         unit = float(logprob_unit)  # the logprob component's weight in forward (the entropy one's: 1)
-        for weights, grads, precomputed, made_with in ((a, logprob_grads, has_lp, unit), (b, entropy_grads, has_h, 1.0)):
+        kept = label_ids(labels).view(labels.shape) != ignore_index
+        components = ((a, grad_logprobs, logprob_grads, has_lp, unit), (b, grad_entropy, entropy_grads, has_h, 1.0))
+        for weights, per_token, grads, precomputed, made_with in components:
             if weights is None:
                 continue
             if not precomputed:
                 recompute(*((weights, None) if grads is logprob_grads else (None, weights)), row_inputs)
                 continue
-            per_row = _scatter_rows(weights / made_with, rows, labels.numel())
             for i in row_inputs:
                 if needs[i]:
-                    add(i, grads[i] * per_row.view(*inputs[i].shape[:-1], 1))
+                    add(i, _weighted_rows(grads[i], per_token, made_with, kept))
             if grads is logprob_grads and vocab_from_forward:
                 for i in vocab_inputs:
                     if needs[i]:
@@ -293,14 +301,13 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
     if rows_only and (grad_logprobs is None or has_lp) and (grad_entropy is None or has_h):
         # frozen head: every needed gradient made in forward, weighted per row; no host sync, no recompute
         kept = label_ids(labels).view(labels.shape) != ctx.options[0]
-        weights = [(logprob_grads, grad_logprobs, unit), (entropy_grads, grad_entropy, None)]
+        components = [(logprob_grads, grad_logprobs, unit), (entropy_grads, grad_entropy, 1.0)]
         result = []
         for i, (x, need) in enumerate(zip(inputs, ctx.needs)):
             total = None
-            for component, per_token, made_with in weights:
+            for grads, per_token, made_with in components:
                 if need and per_token is not None:
-                    w = per_token.float() if made_with is None else per_token.float() / made_with
-                    term = component[i] * torch.where(kept, w, 0.0).unsqueeze(-1)  # (ignored rows: 0, as autograd)
+                    term = _weighted_rows(grads[i], per_token, made_with, kept)
                     total = term if total is None else total + term
             result.append(None if total is None else total.to(x.dtype))
         return (*result, *nothing)
