@@ -28,6 +28,8 @@ the inputs and the gradient tensors, for:
   token_rl, trl_rl   sum(a * logprobs) with fixed random per-token weights a (RL advantages), through
                token_stats and through TRL's head; in the frozen-head scenario the per-row gradients are
                formed in forward (token_stats) where TRL's head recomputes
+  token_rl_kept  token_rl with keep_logits=True: the logits kept from forward for backward (trainable head
+               only: three matmuls instead of four, N x V bf16 more memory)
 Accuracy: relative error (L2 norm) of loss, dX and dW against a float64 computation of the same inputs.
 Data: logits std ~4 with labels sampled from the model's own softmax ("realistic"), or near-uniform
 logits; a fraction of labels set to -100.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import math
 import os
@@ -206,6 +209,10 @@ def impl_token_rl(x, w, y, scaling):
     return (token_stats(x, w, y).logprobs * rl_weights(y)).sum()
 
 
+def impl_token_rl_kept(x, w, y, scaling):
+    return (token_stats(x, w, y, keep_logits=True).logprobs * rl_weights(y)).sum()
+
+
 def peer_trl_rl():
     module = peers.trl_kernel()
     return lambda x, w, y, scaling: peers.trl_weighted_logprobs(module, x, w, y, rl_weights(y))
@@ -224,6 +231,8 @@ def implementations(env, include_variants=True):
     if token_stats is not None:
         impls["token_sft"] = impl_token_sft
         impls["token_rl"] = impl_token_rl
+        if "keep_logits" in inspect.signature(token_stats).parameters:  # (not before session 11)
+            impls["token_rl_kept"] = impl_token_rl_kept
     if "trl_head" in impls:
         impls["trl_rl"] = peer_trl_rl()
     return impls
@@ -418,13 +427,15 @@ def main():
                 if not main_case and args.peers_main_only and not name.startswith("fused"):
                     if not (mode == "frozen_head" and name in ("token_rl", "trl_rl")):  # the frozen RL target
                         continue
-                if mode == "forward" and name in ("token_sft", "token_rl", "trl_rl"):
+                if mode == "forward" and name in ("token_sft", "token_rl", "trl_rl", "token_rl_kept"):
+                    continue
+                if mode == "frozen_head" and name == "token_rl_kept":  # (nothing is kept for a frozen head)
                     continue
                 row = dict(key, impl=name)
                 try:
                     ms, extra = measure(impl, x, w, y, mode, scaling, budget_ms=args.budget_ms)
                     row.update(ms=ms, ratio=ms / floor_ms, extra_gib=extra)
-                    if ref is not None and name not in ("token_rl", "trl_rl"):  # (ref: the mean cross-entropy)
+                    if ref is not None and name not in ("token_rl", "trl_rl", "token_rl_kept"):  # (ref: the mean CE)
                         row.update(zip(("err_loss", "err_dx", "err_dw"), accuracy(impl, x, w, y, ref, scaling)))
                 except Exception as e:  # noqa: BLE001 - a peer failing (OOM, unsupported) is a result too
                     row.update(error=f"{type(e).__name__}: {str(e)[:200]}")

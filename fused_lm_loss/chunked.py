@@ -27,8 +27,11 @@ reduces each output tile to them in its epilogue (kernels/matmul_stats.py) and n
 Buffers and their precision:
   logits chunk  (chunk_rows, tile_cols)  matmul dtype, or fp32 with ``logits_dtype=torch.float32``
                                         (tile_cols = V_shard unless the vocabulary is tiled)
+  kept logits   (N, V_shard)             the logits dtype; only with keep_logits where backward would
+                                        recompute (plan.kept_logits): forward writes each chunk's logits
+                                        there, backward reads its tiles (never overwritten: retain_graph)
   G chunk       same buffer as logits (overwritten in place; each earlier gradient component of a step
-                has a buffer of its own). With fp32 logits from bf16/fp16
+                has a buffer of its own; with kept logits, each has its own). With fp32 logits from bf16/fp16
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
@@ -270,9 +273,10 @@ class LinearHead:
     d u, d B), None where not needed.
     """
 
-    def __init__(self, hidden, weight, bias, low_rank) -> None:
+    def __init__(self, hidden, weight, bias, low_rank, kept_logits: torch.Tensor | None = None) -> None:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.u, self.b = low_rank if low_rank is not None else (None, None)
+        self.kept_logits = kept_logits  # (>= kept rows, V_shard): the plan's kept_logits says write or read
         self.device, self.matmul_dtype = hidden.device, hidden.dtype
 
     # what make_plan asks of a head
@@ -300,7 +304,7 @@ class LinearHead:
         self.plan, self.rows = plan, rows
         self.buffers = _chunk_buffers(
             plan.chunk_rows, plan.tile_cols if plan.tiled else self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype,
-            plan.split_grad, plan.grad_components, self.device,
+            plan.split_grad, plan.grad_components, self.device, logits_elsewhere=plan.kept_logits is not None,
         )
         self.sets = [self._grad_set() for _ in range(plan.grad_components)]
         self.row_parts: dict = {}  # dX / du rows of the chunk while they are summed over vocabulary tiles
@@ -325,7 +329,12 @@ class LinearHead:
             self.h = self.rows.gather(self.hidden, start, end)
             self.u_rows = None if self.u is None else self.rows.gather(self.u, start, end)
         tile = slice(first, last)
-        logits = _view(self.buffers.logits, end - start, last - first)
+        if self.plan.kept_logits == "reuse":  # kept from forward (the rows of this tile: a strided view)
+            return self.kept_logits[start:end, tile]
+        if self.plan.kept_logits == "store":  # all columns: contiguous rows of the kept tensor
+            logits = self.kept_logits[start:end]
+        else:
+            logits = _view(self.buffers.logits, end - start, last - first)
         _logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
         if self.u is not None:
             _matmul_accumulate(logits, self.u_rows, self.b[tile].t(), first=False)
@@ -492,7 +501,7 @@ def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, f
 class ChunkBuffers:
     """Flat buffers with room for (chunk rows, tile columns) each; ``_view`` gives a chunk's (rows, cols)."""
 
-    logits: torch.Tensor  # in the logits dtype
+    logits: torch.Tensor | None  # in the logits dtype; None when they are kept elsewhere (plan.kept_logits)
     grad: list  # per gradient component, in the matmul dtype; the last one in place of the logits
     grad_lo: torch.Tensor | None  # with fp32 logits from bf16/fp16 operands, G = hi + lo: lo's buffer
 
@@ -504,20 +513,26 @@ def _view(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _chunk_buffers(
     rows: int, vocab: int, logits_dtype: torch.dtype, mm_dtype: torch.dtype, split_grad: bool, components: int,
-    device: torch.device,
+    device: torch.device, logits_elsewhere: bool = False,
 ) -> ChunkBuffers:
     """The chunk's logits and gradient buffers. The last gradient component overwrites the logits in place
     (each earlier one, read from the same logits, has a buffer of its own), except with fp32 logits from
-    bf16/fp16 operands, where G = hi + lo gets two buffers of its own. They are carved from one allocation
+    bf16/fp16 operands, where G = hi + lo gets two buffers of its own. ``logits_elsewhere`` (kept for or from
+    backward): no logits buffer, and every component's G has its own. They are carved from one allocation
     (each part 256-byte aligned for cuBLAS), so that what they free after the loop is one block."""
     assert not (split_grad and components > 1), "fp32 logits with one gradient component"
-    parts = [logits_dtype] + [mm_dtype] * max(components - 1, 0) + ([mm_dtype, mm_dtype] if split_grad else [])
+    if logits_elsewhere:
+        parts = [mm_dtype] * (2 if split_grad else components)
+    else:
+        parts = [logits_dtype] + [mm_dtype] * max(components - 1, 0) + ([mm_dtype, mm_dtype] if split_grad else [])
     sizes = [-(-rows * vocab * dtype.itemsize // 256) * 256 for dtype in parts]
     flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     views, offset = [], 0
     for dtype, size in zip(parts, sizes):
         views.append(flat[offset : offset + rows * vocab * dtype.itemsize].view(dtype))
         offset += size
+    if logits_elsewhere:
+        return ChunkBuffers(logits=None, grad=views[:1] if split_grad else views, grad_lo=views[1] if split_grad else None)
     if split_grad:
         return ChunkBuffers(logits=views[0], grad=[views[1]], grad_lo=views[2])
     return ChunkBuffers(logits=views[0], grad=views[1:] + [views[0]], grad_lo=None)

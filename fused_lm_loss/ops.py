@@ -48,13 +48,13 @@ def option_args(opts: LossOptions) -> tuple:
         opts.ignore_index, opts.reduction, float(opts.label_smoothing), float(opts.z_loss),
         None if opts.softcap is None else float(opts.softcap), float(opts.logit_scale), opts.chunk_size,
         opts.accum_dtype, opts.logits_dtype, distributed.group_name(opts.process_group), opts.vocab_start,
-        opts.vocab_size, opts.reduce_grad_input, opts.return_z_loss, opts.return_token_accuracy,
+        opts.vocab_size, opts.reduce_grad_input, opts.return_z_loss, opts.return_token_accuracy, opts.keep_logits,
     )
 
 
 def _options(
     ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size, accum_dtype, logits_dtype,
-    group, vocab_start, vocab_size, reduce_grad_input, return_z_loss, return_token_accuracy,
+    group, vocab_start, vocab_size, reduce_grad_input, return_z_loss, return_token_accuracy, keep_logits,
 ) -> LossOptions:
     """The LossOptions of operator arguments (the class weights travel as a tensor argument of their own)."""
     return LossOptions(
@@ -62,11 +62,11 @@ def _options(
         softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size, accum_dtype=accum_dtype,
         logits_dtype=logits_dtype, process_group=distributed.group_of(group), vocab_start=vocab_start,
         vocab_size=vocab_size, reduce_grad_input=reduce_grad_input, return_z_loss=return_z_loss,
-        return_token_accuracy=return_token_accuracy,
+        return_token_accuracy=return_token_accuracy, keep_logits=keep_logits,
     )
 
 
-_OPTION_COUNT = 15
+_OPTION_COUNT = 16
 
 
 # ---- shared rules --------------------------------------------------------------------------------------
@@ -145,8 +145,9 @@ def linear_cross_entropy(
     reduce_grad_input: bool,
     return_z_loss: bool,
     return_token_accuracy: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, z_loss, token_accuracy, d hidden, d weight, d bias, d u, d B) of
+    keep_logits: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss, token_accuracy, d hidden, d weight, d bias, d u, d B, kept logits) of
     CE(softcap(s * (h @ W.T + b + u @ B.T)), labels), with class weights when given.
 
     hidden (..., H), weight (V_shard, H), bias (V_shard,), u (..., r), B (V_shard, r), labels (...) of any
@@ -154,22 +155,28 @@ def linear_cross_entropy(
     (fp32) for "none"; lse (N,) fp32 only for "none" with gradients (kept for the recompute), else (0,);
     z_loss and token_accuracy reduced like the loss when asked for, else (0,). Each gradient is made only
     where ``needs`` says (order: hidden, weight, bias, u, B), contiguous and shaped like its input, scaled by
-    ``scaling`` (or the value of ``scale``) / the mean denominator; else (0,).
+    ``scaling`` (or the value of ``scale``) / the mean denominator; else (0,). The kept logits (N, V_shard) in
+    the logits dtype (their first rows.count rows: the kept rows' raw logits) only for "none" with gradients
+    and ``keep_logits``, for the backward to read instead of recomputing; else (0,).
     """
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
                     accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, return_z_loss,
-                    return_token_accuracy)
+                    return_token_accuracy, keep_logits)
     scaling = _scaling(scale, scaling)
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
-    class_weight = _class_weight(class_weight, weight)
     grad_needs = GradNeeds(*needs)
+    kept = _kept_logits_buffer(opts, hidden, weight, labels, reduction == "none" and grad_needs.any())
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
+                                              kept)
+    class_weight = _class_weight(class_weight, weight)
 
     if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
-        plan = make_plan(opts, backend, shard, rows, head, class_weight=class_weight)
+        plan = make_plan(opts, backend, shard, rows, head, class_weight=class_weight,
+                         kept_logits="store" if kept.numel() else None)
         step = run_chunks(plan, head, rows, LossStep(plan, hidden.device)).step
         per_token = _scatter_rows(step.loss, rows, labels.numel()).view(labels.shape)
         lse = _scatter_rows(step.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
-        return (per_token, lse, *_extras(opts, step, rows, labels, 1.0), *(_empty(hidden) for _ in range(5)))
+        extras = _extras(opts, step, rows, labels, 1.0)
+        return (per_token, lse, *extras, *(_empty(hidden) for _ in range(5)), kept)
 
     if class_weight is not None:  # the mean divides by the targets' summed weights, as F.cross_entropy
         weight_sum = float(class_weight[rows.target].sum()) if rows.count else 0.0
@@ -191,7 +198,16 @@ def linear_cross_entropy(
         loss = step.loss.sum() / denominator
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     extras = _extras(opts, step, rows, labels, z_denominator)
-    return (loss, _empty(loss), *extras, *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)))
+    return (loss, _empty(loss), *extras, *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)), kept)
+
+
+def _kept_logits_buffer(opts: LossOptions, hidden: Tensor, weight: Tensor, labels: Tensor, recomputes: bool) -> Tensor:
+    """Where forward keeps the logits for backward (``keep_logits`` where backward would recompute them): one
+    row per token (the kept rows first; the shape must not depend on the data), this shard's vocabulary, the
+    logits dtype; else (0,). The fake implementations call this too."""
+    if not (opts.keep_logits and recomputes):
+        return _empty(hidden)
+    return hidden.new_empty((labels.numel(), weight.shape[0]), dtype=opts.logits_dtype or hidden.dtype)
 
 
 def _class_weight(class_weight: Tensor | None, weight: Tensor) -> Tensor | None:
@@ -225,8 +241,9 @@ def _extras(opts: LossOptions, step: LossStep, rows, labels: Tensor, z_denominat
     return z_value, accuracy
 
 
-def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels):
-    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the kept rows."""
+def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels, kept_logits=None):
+    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the kept rows;
+    ``kept_logits`` (from ``_kept_logits_buffer``; (0,): none) the head writes or reads as its plan says."""
     labels = label_ids(labels)
     n = labels.numel()  # not -1: hidden may have 0 columns (the logits are then the bias, as in F.linear)
     low_rank = None
@@ -235,7 +252,8 @@ def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, la
     backend = get_backend(hidden.device)
     shard = distributed.Shard.of(weight, labels, opts)
     rows = select_rows(labels, opts.ignore_index, shard, backend)
-    return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank), rows, backend, shard
+    kept_logits = kept_logits if kept_logits is not None and kept_logits.numel() else None
+    return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank, kept_logits), rows, backend, shard
 
 
 def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -261,7 +279,8 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, 
         x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
         for need, x, dtype in zip(needs, inputs, dtypes)
     ]
-    return (loss, lse, *extras, *grads)
+    kept = _kept_logits_buffer(opts, hidden, weight, labels, reduction == "none" and any(needs))
+    return (loss, lse, *extras, *grads, kept)
 
 
 def _scatter_rows(values: Tensor, rows, n: int) -> Tensor:
@@ -281,6 +300,7 @@ def linear_cross_entropy_backward(
     labels: Tensor,
     class_weight: Optional[Tensor],
     lse: Tensor,
+    kept_logits: Tensor,
     grad_per_token: Tensor,
     needs: Sequence[bool],
     ignore_index: int,
@@ -298,14 +318,19 @@ def linear_cross_entropy_backward(
     reduce_grad_input: bool,
     return_z_loss: bool,
     return_token_accuracy: bool,
+    keep_logits: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of sum_i grad_per_token[i] * loss_i (reduction="none"; grad_per_token shaped like labels),
-    recomputing the logits chunk by chunk from the saved inputs and the forward's lse; (0,) where not needed."""
+    from the forward's lse and its kept logits, or (``kept_logits`` (0,)) recomputing the logits chunk by chunk
+    from the saved inputs; (0,) where not needed."""
     opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
-                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, False, False)
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, False, False,
+                    keep_logits)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
+                                              kept_logits)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
-                     class_weight=_class_weight(class_weight, weight), vocab_tiles=True)
+                     class_weight=_class_weight(class_weight, weight), vocab_tiles=True,
+                     kept_logits="reuse" if kept_logits.numel() else None)
     row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
     out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=_kept(lse, rows), row_scale=row_scale))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
@@ -313,8 +338,8 @@ def linear_cross_entropy_backward(
 
 
 @linear_cross_entropy_backward.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, grad_per_token, needs,
-      *options):
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, kept_logits, grad_per_token,
+      needs, *options):
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
 
@@ -454,13 +479,13 @@ def _setup_linear(ctx, inputs, output) -> None:
     hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, class_weight, scale, scaling, needs, *options = (
         inputs
     )
-    loss, lse, z_value, accuracy, *grads = output
+    loss, lse, z_value, accuracy, *grads, kept = output
     ctx.needs, ctx.options = tuple(needs), tuple(options)
     ctx.dtypes = tuple(None if x is None else x.dtype for x in (hidden, weight, bias, low_rank_input, low_rank_weight))
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, z_value, accuracy, *grads)
+    ctx.mark_non_differentiable(lse, z_value, accuracy, *grads, kept)
     if options[1] == "none":
-        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse)
+        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, kept)
     else:
         ctx.scaling = scaling
         _keep_grads(ctx, grads, scale)

@@ -30,6 +30,7 @@ class LossOptions:
     class_weight: Any = None  # a (V,) float tensor: the weight of each class, as F.cross_entropy's weight=
     return_z_loss: bool = False
     return_token_accuracy: bool = False
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -74,7 +75,7 @@ class LossOptions:
                 raise ValueError("class_weight is not supported with vocab parallelism (process_group)")
         if self.return_token_accuracy and self.process_group is not None:
             raise ValueError("return_token_accuracy is not supported with vocab parallelism (process_group)")
-        for name in ("return_z_loss", "return_token_accuracy"):
+        for name in ("return_z_loss", "return_token_accuracy", "keep_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -16,7 +16,8 @@ changes the cost, never the result):
   made in forward as the loss makes them; backward checks (one host sync) that a is uniform over the kept
   rows and b is absent or zero there, and rescales; otherwise it recomputes.
 - trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits, chunk by chunk or
-  over tiles of the vocabulary (plan.vocab_tiling: it knows each row's lse from forward).
+  over tiles of the vocabulary (plan.vocab_tiling: it knows each row's lse from forward); with
+  ``keep_logits`` forward keeps them (N x V in the matmul dtype) and backward reads them: one matmul fewer.
 
 The logprob component made in forward is the gradient of the mean negative log-probability over the kept
 rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32, returned by the forward operator), the
@@ -36,7 +37,8 @@ from torch import Tensor
 from . import distributed
 from .chunked import TokenStep, label_ids, run_chunks
 from .loss import _check_low_rank, _check_tensors, _matmul_inputs
-from .ops import _apply_factor, _empty, _kept, _linear_call, _refuse_double_backward, _scatter_rows, _shaped_like, _traced
+from .ops import (_apply_factor, _empty, _kept, _kept_logits_buffer, _linear_call, _refuse_double_backward,
+                  _scatter_rows, _shaped_like, _traced)
 from .options import LossOptions, _check_real
 from .plan import GradNeeds, grad_dtypes, make_plan
 from .backends import backend_name
@@ -67,6 +69,7 @@ def token_stats(
     chunk_size: int | None = None,
     low_rank: tuple[Tensor, Tensor] | None = None,
     expected_grads: str = "logprobs",
+    keep_logits: bool = False,
 ) -> TokenStats:
     """Per-token log-probabilities, entropy, lse, top-1 and argmax of ``hidden @ weight.T (+ bias)``, chunked.
 
@@ -81,6 +84,9 @@ def token_stats(
             "logprobs_and_entropy" (also an entropy term), or "uniform" (the mean of the log-probabilities over
             the kept tokens, e.g. SFT): what backward will most likely receive; any other gradient is still
             exact, at the cost of a recompute.
+        keep_logits: with a trainable lm_head and expected_grads "logprobs" / "logprobs_and_entropy" (where
+            backward recomputes the logits), keep them from forward instead: one matmul fewer, for N x V values
+            in the matmul dtype held until backward (see FusedLMLoss). Elsewhere nothing is kept.
 
     Example::
 
@@ -93,7 +99,8 @@ def token_stats(
     _check_real("temperature", temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
+    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
+                       keep_logits=keep_logits)
     _check_tensors(hidden, weight, labels, bias)
     if low_rank is not None:
         _check_low_rank(low_rank, hidden, weight)
@@ -103,11 +110,12 @@ def token_stats(
     vocab_side = needs[1] or needs[2] or needs[4]
     precompute_logprob = any(needs) and (not vocab_side or expected_grads == "uniform")
     precompute_entropy = any(needs) and not vocab_side and expected_grads == "logprobs_and_entropy"
+    keep = opts.keep_logits and vocab_side and not precompute_logprob  # (where backward recomputes)
     # softcap(s x) / T = (c / T) tanh((s / T) x / (c / T)): a temperature is a scale and a softcap
     scale = float(opts.logit_scale) / temperature
     cap = None if opts.softcap is None else float(opts.softcap) / temperature
     logprobs, entropy, lse, argmax = linear_token_stats(
-        *tensors, labels, needs, precompute_logprob, precompute_entropy, opts.ignore_index, scale, cap,
+        *tensors, labels, needs, precompute_logprob, precompute_entropy, keep, opts.ignore_index, scale, cap,
         opts.chunk_size,
     )[:4]
     ids = label_ids(labels).view(labels.shape)  # (as int64: a uint8 label 156 compared with -100 would match it)
@@ -128,8 +136,10 @@ def _weighted_rows(grad: Tensor, per_token: Tensor, made_with: Tensor | float, k
     return grad * torch.where(kept, per_token.float() / made_with, 0.0).unsqueeze(-1)
 
 
-def _options(ignore_index: int, logit_scale: float, softcap: float | None, chunk_size: int | None) -> LossOptions:
-    return LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)
+def _options(ignore_index: int, logit_scale: float, softcap: float | None, chunk_size: int | None,
+             keep_logits: bool = False) -> LossOptions:
+    return LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
+                       keep_logits=keep_logits)
 
 
 @torch.library.custom_op("fused_lm_loss::linear_token_stats", mutates_args=())
@@ -143,21 +153,26 @@ def linear_token_stats(
     needs: Sequence[bool],
     precompute_logprob: bool,
     precompute_entropy: bool,
+    keep_logits: bool,
     ignore_index: int,
     logit_scale: float,
     softcap: Optional[float],
     chunk_size: Optional[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor, Tensor]:
+           Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse, argmax, the logprob component's weight (a () fp32 tensor), then for each of the
     logprob and entropy components the gradients w.r.t. (hidden, weight, bias, u, B) of the sum of its output
-    over kept tokens, weighted by -1/count (logprob) or 1 (entropy)), per-token outputs shaped like labels; a
-    component's gradients are made only when it is precomputed and ``needs`` asks, else (0,)."""
-    opts = _options(ignore_index, logit_scale, softcap, chunk_size)
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    over kept tokens, weighted by -1/count (logprob) or 1 (entropy), then the kept logits), per-token outputs
+    shaped like labels; a component's gradients are made only when it is precomputed and ``needs`` asks, the
+    logits (N, V) kept for backward only with ``keep_logits`` (ops._kept_logits_buffer), else (0,)."""
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size, keep_logits)
+    kept = _kept_logits_buffer(opts, hidden, weight, labels, True)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
+                                              kept)
     components = ("logprob",) * precompute_logprob + ("entropy",) * precompute_entropy
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if components else GradNeeds(),
-                     components=len(components), epilogue_stats=False)
+                     components=len(components), epilogue_stats=False,
+                     kept_logits="store" if kept.numel() else None)
     unit = mean_nll_weight(rows.count)
     step = TokenStep(plan, hidden.device, need_argmax=True, components=components, logprob_weight=unit)
     out = run_chunks(plan, head, rows, step)
@@ -173,18 +188,18 @@ def linear_token_stats(
     ]
     # (torch.full, not torch.tensor: a host-to-device copy would wait for the whole forward on CUDA)
     unit_tensor = torch.full((), unit, dtype=torch.float32, device=hidden.device)
-    return (*per_token, argmax, unit_tensor, *sets[0], *sets[1])
+    return (*per_token, argmax, unit_tensor, *sets[0], *sets[1], kept)
 
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, precompute_logprob, precompute_entropy,
-      ignore_index, logit_scale, softcap, chunk_size):
+      keep_logits, ignore_index, logit_scale, softcap, chunk_size):
     shape = labels.shape
     outputs = [hidden.new_empty(shape, dtype=torch.float32) for _ in range(3)]
     outputs.append(hidden.new_empty(shape, dtype=torch.int64))
     outputs.append(hidden.new_empty((), dtype=torch.float32))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    opts = _options(ignore_index, logit_scale, softcap, chunk_size)
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size, keep_logits)
     dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
                          distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
     for precomputed in (precompute_logprob, precompute_entropy):
@@ -192,6 +207,7 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, prec
             x.new_empty(x.shape, dtype=dtype) if precomputed and need else hidden.new_empty((0,))
             for need, x, dtype in zip(needs, inputs, dtypes)
         ]
+    outputs.append(_kept_logits_buffer(opts, hidden, weight, labels, True))
     return tuple(outputs)
 
 
@@ -206,6 +222,7 @@ def linear_token_stats_backward(
     lse: Tensor,
     entropy: Tensor,
     logprob_unit: Tensor,
+    kept_logits: Tensor,
     grad_logprobs: Optional[Tensor],
     grad_entropy: Optional[Tensor],
     logprob_grads: Sequence[Tensor],
@@ -218,9 +235,11 @@ def linear_token_stats_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """d(sum_i a_i logprob_i + b_i entropy_i) / d(hidden, weight, bias, u, B), in the inputs' dtypes, from the
     components made in forward (``logprob_grads`` / ``entropy_grads``: per input, or (0,)) where they serve,
-    recomputing the rest (see the module docstring)."""
+    recomputing the rest from the logits kept in forward (``kept_logits``), or else from the inputs (see the
+    module docstring)."""
     opts = _options(ignore_index, logit_scale, softcap, chunk_size)
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
+                                              kept_logits)
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     row_inputs, vocab_inputs = (0, 3), (1, 2, 4)
     a = None if grad_logprobs is None else _kept(grad_logprobs.reshape(-1).float(), rows)
@@ -238,7 +257,8 @@ def linear_token_stats_backward(
         sub = GradNeeds(*(needs[i] and i in which for i in range(5)))
         if not sub.any() or (wa is None and wb is None):
             return
-        plan = make_plan(opts, backend, shard, rows, head, needs=sub, epilogue_stats=False, vocab_tiles=True)
+        plan = make_plan(opts, backend, shard, rows, head, needs=sub, epilogue_stats=False, vocab_tiles=True,
+                         kept_logits="reuse" if kept_logits.numel() else None)
         step = TokenStep(plan, hidden.device, weights=(wa, wb), lse=_kept(lse.reshape(-1), rows),
                          entropy=_kept(entropy.reshape(-1), rows))
         for i, g in enumerate(run_chunks(plan, head, rows, step).grads[0]):
@@ -274,27 +294,27 @@ def linear_token_stats_backward(
 
 
 @linear_token_stats_backward.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entropy, logprob_unit, grad_logprobs,
-      grad_entropy, logprob_grads, entropy_grads, needs, *options):
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entropy, logprob_unit, kept_logits,
+      grad_logprobs, grad_entropy, logprob_grads, entropy_grads, needs, *options):
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
 
 
 def _setup(ctx, inputs, output) -> None:
-    hidden, weight, bias, u, b, labels, needs, _, _, *options = inputs
-    logprobs, entropy, lse, argmax, unit, *grads = output
+    hidden, weight, bias, u, b, labels, needs, _, _, _, *options = inputs
+    logprobs, entropy, lse, argmax, unit, *grads, kept = output
     ctx.needs, ctx.options = tuple(needs), tuple(options)
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, argmax, unit, *grads)
-    ctx.save_for_backward(hidden, weight, bias, u, b, labels, lse, entropy, unit, *grads)
+    ctx.mark_non_differentiable(lse, argmax, unit, kept, *grads)
+    ctx.save_for_backward(hidden, weight, bias, u, b, labels, lse, entropy, unit, kept, *grads)
 
 
 def _backward(ctx, grad_logprobs, grad_entropy, *unused):
     _refuse_double_backward(grad_logprobs if grad_logprobs is not None else grad_entropy)
-    nothing = (None,) * 8  # labels, needs, the two precompute flags, the options
+    nothing = (None,) * 9  # labels, needs, the precompute and keep flags, the options
     if (grad_logprobs is None and grad_entropy is None) or not any(ctx.needs):
         return (None,) * 5 + nothing
-    hidden, weight, bias, u, b, labels, lse, entropy, unit, *grads = ctx.saved_tensors
+    hidden, weight, bias, u, b, labels, lse, entropy, unit, kept, *grads = ctx.saved_tensors
     inputs, logprob_grads, entropy_grads = (hidden, weight, bias, u, b), grads[:5], grads[5:]
     has_lp, has_h = (any(g.numel() for g in component) for component in (logprob_grads, entropy_grads))
     rows_only = not any(ctx.needs[i] for i in (1, 2, 4))
@@ -318,7 +338,7 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
             rescaled = iter(_apply_factor([g for g, _ in kept], [dtype for _, dtype in kept], factor))
             return (*(next(rescaled) if need else None for need in ctx.needs), *nothing)
     result = linear_token_stats_backward(
-        hidden, weight, bias, u, b, labels, lse, entropy, unit, grad_logprobs, grad_entropy, logprob_grads,
+        hidden, weight, bias, u, b, labels, lse, entropy, unit, kept, grad_logprobs, grad_entropy, logprob_grads,
         entropy_grads, list(ctx.needs), *ctx.options,
     )
     return (*(g if need else None for g, need in zip(result, ctx.needs)), *nothing)

@@ -80,6 +80,8 @@ class Plan:
     chunk_rows: int
     tile_cols: int  # vocabulary columns per tile: all of this shard's (shard.size) unless tiled (vocab_tiling)
     stats_in_matmul: bool  # forward without gradients: statistics from the matmul epilogue, no logits chunk
+    kept_logits: str | None  # "store": forward writes the logits into the head's kept tensor for backward;
+    #                          "reuse": backward reads them there instead of recomputing; None: chunk buffer only
     # buffer dtypes (see the table in chunked.py)
     matmul_dtype: torch.dtype
     logits_dtype: torch.dtype
@@ -145,6 +147,7 @@ def make_plan(
     class_weight: torch.Tensor | None = None,
     grad_z_loss: float | None = None,
     vocab_tiles: bool = False,
+    kept_logits: str | None = None,
 ) -> Plan:
     """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
     an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
@@ -156,7 +159,10 @@ def make_plan(
     ``class_weight``: the (V_shard,) fp32 class weights on the device; ``grad_z_loss``: the z-loss coefficient
     of the gradient when it differs from the loss's (class weights divide the z-loss by the token count);
     ``vocab_tiles``: the step needs no statistics (a recompute in backward, the row's lse known), so a chunk may
-    cover a tile of the vocabulary instead of all of it (``vocab_tiling``).
+    cover a tile of the vocabulary instead of all of it (``vocab_tiling``); ``kept_logits``: "store" (a forward
+    that keeps all rows' logits for backward: no logits chunk, no statistics epilogue) or "reuse" (a backward
+    that reads them: each gradient component's G has a buffer of its own, the kept logits are never
+    overwritten, so retain_graph stays exact).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
@@ -168,8 +174,9 @@ def make_plan(
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
     need_argmax = epilogue_stats and opts.return_token_accuracy
+    assert kept_logits in (None, "store", "reuse") and not (kept_logits == "store" and components)
     stats_in_matmul = (
-        epilogue_stats and not needs.any() and operands is not None and class_weight is None and not need_argmax
+        kept_logits is None and epilogue_stats and not needs.any() and operands is not None and class_weight is None and not need_argmax
         and backend.supports_stats_in_matmul(*operands)
     )
 
@@ -179,6 +186,8 @@ def make_plan(
         opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
     )
     per_logit += max(components - 1, 0) * matmul_dtype.itemsize  # the earlier components' G buffers
+    if kept_logits is not None:  # the logits live in the kept tensor; the last G gets a buffer in their place
+        per_logit += (matmul_dtype.itemsize if components and not split_grad else 0) - logits_dtype.itemsize
     if stats_in_matmul:  # chunks bound only the fp32 partials (and the gathered rows)
         bytes_per_row = backend.matmul_partial_bytes_per_row(shard.chunk_vocab) + row_bytes
         max_rows = opts.chunk_size or rows_within(bytes_per_row, LOGITS_BUDGET_BYTES)
@@ -218,6 +227,7 @@ def make_plan(
         chunk_rows=chunk_rows,
         tile_cols=tile_cols,
         stats_in_matmul=stats_in_matmul,
+        kept_logits=kept_logits,
         matmul_dtype=matmul_dtype,
         logits_dtype=logits_dtype,
         grad_input_dtype=grad_input_dtype,

@@ -51,6 +51,7 @@ STEPS = {
         h, w, y, num_items_in_batch=torch.tensor(40.0), logit_scale=0.7
     ),
     "reduction_none": lambda: FusedLMLoss(reduction="none", chunk_size=16),
+    "reduction_none_kept_logits": lambda: FusedLMLoss(reduction="none", chunk_size=16, keep_logits=True),
 }
 
 
@@ -130,9 +131,10 @@ def test_patched_llama_compiles_fullgraph(monkeypatch):
     assert transformers is not None
 
 
-@pytest.mark.parametrize("frozen,sft", [(False, False), (True, False), (False, True)],
-                         ids=["rl-trainable", "rl-frozen", "sft"])
-def test_token_stats_compile_fullgraph(frozen, sft):
+@pytest.mark.parametrize("frozen,sft,keep", [(False, False, False), (True, False, False), (False, True, False),
+                                             (False, False, True)],
+                         ids=["rl-trainable", "rl-frozen", "sft", "rl-trainable-kept-logits"])
+def test_token_stats_compile_fullgraph(frozen, sft, keep):
     """The per-token outputs under torch.compile(fullgraph=True): the same outputs and gradients (random per-token
     weights, or the SFT mean whose gradients forward makes) as eager, one frame across different ignored
     counts."""
@@ -145,7 +147,7 @@ def test_token_stats_compile_fullgraph(frozen, sft):
         if sft:
             out = token_stats(step.proj(x), step.head, y, expected_grads="uniform")
             return -out.logprobs.sum() / (y != -100).sum()
-        out = token_stats(step.proj(x), step.head, y, temperature=0.8)
+        out = token_stats(step.proj(x), step.head, y, temperature=0.8, keep_logits=keep)
         return (out.logprobs * a).sum() + (out.entropy * b).sum() + out.is_top1.float().sum() * 0
 
     counter = CompileCounterWithBackend("inductor")

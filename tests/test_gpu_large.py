@@ -76,10 +76,12 @@ def test_extra_memory_stays_within_the_budget(n, h, v, accum_dtype):
     assert extra <= allowed, (extra / 2**20, allowed / 2**20)
 
 
-def test_rl_recompute_over_vocabulary_tiles_at_gemma_size():
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recompute", "kept-logits"])
+def test_rl_recompute_over_vocabulary_tiles_at_gemma_size(keep_logits):
     """token_stats with a trainable head and per-token weights at Gemma-2-2B's vocabulary (bf16): backward
-    recomputes over vocabulary tiles (the whole vocabulary does not fit one chunk of all rows); the gradients
-    are as close to float64 as eager autograd on materialized logits, and no fp32 dW accumulator is made."""
+    recomputes (or, with keep_logits, reads the logits kept in forward) over vocabulary tiles (the whole
+    vocabulary does not fit one chunk of all rows); the gradients are as close to float64 as eager autograd on
+    materialized logits, and no fp32 dW accumulator is made."""
     from fused_lm_loss import plan, token_stats
 
     torch.cuda.empty_cache()
@@ -109,7 +111,7 @@ def test_rl_recompute_over_vocabulary_tiles_at_gemma_size():
     eager = [rel_err(h_eager.grad, h64.grad), rel_err(w_eager.grad, w64.grad)]
     del z, lp, ent, h_eager, w_eager
 
-    out = token_stats(hidden, weight, labels)
+    out = token_stats(hidden, weight, labels, keep_logits=keep_logits)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -117,7 +119,7 @@ def test_rl_recompute_over_vocabulary_tiles_at_gemma_size():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - weight.numel() * 2 - hidden.numel() * 2
     ours = [rel_err(hidden.grad, h64.grad), rel_err(weight.grad, w64.grad)]
-    print(f"\ntiled RL recompute: ours dX/dW {ours}, eager {eager}, extra {extra / 2**20:.0f} MiB")
+    print(f"\ntiled RL backward (keep_logits={keep_logits}): ours dX/dW {ours}, eager {eager}, extra {extra / 2**20:.0f} MiB")
     for mine, theirs in zip(ours, eager):
         assert mine <= 1.1 * theirs + 1e-6
     # the tile buffer and the kept rows' copies, not a V x H fp32 accumulator (1 GiB here)

@@ -9,7 +9,8 @@ for the lm_head weight of a model patched by ``fused_lm_loss.patch`` it computes
 ``token_stats``; for any other model it calls TRL's own function. Patching before or after the trainer is built
 is the same (the lookup is per call). The TRL versions this was tested with are ``SUPPORTED``; others raise.
 
-What TRL's head cannot express is refused, never dropped: a patched model's FusedLMLoss with label smoothing,
+A patched model's ``FusedLMLoss(keep_logits=True)`` keeps the logits for the RL trainers' backward (one matmul
+fewer, N x V values more memory; see FusedLMLoss). What TRL's head cannot express is refused, never dropped: a patched model's FusedLMLoss with label smoothing,
 a z-loss, fp32 logits or vocab parallelism raises at the first call. Outputs we do not compute
 ("log_sum_sq_probs", "mean_logits": DPO's weighting and logit metrics) and DeepSpeed ZeRO-3 sharded heads run
 TRL's own function, with a warning.
@@ -103,7 +104,7 @@ class FusedLogProbs:
             _warn_once(reason, f"fused_lm_loss: {reason}: TRL's own fused LM head runs for this call")
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
-        _refuse_options(model)
+        opts = _refuse_options(model)
         if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # cast_lm_head_to_fp32: fp32 hidden states, the head in fp32
             bias = None if bias is None else bias.to(hidden.dtype)
@@ -113,6 +114,7 @@ class FusedLogProbs:
         out = token_stats(
             hidden, weight, targets, bias, temperature=float(temperature), logit_scale=float(logit_scale),
             softcap=None if softcap is None else float(softcap), expected_grads=expected,
+            keep_logits=opts.keep_logits,
         )
         return (
             out.logprobs,
@@ -132,7 +134,8 @@ def _cannot_serve(weight: torch.Tensor, outputs) -> str | None:
     return None
 
 
-def _refuse_options(model) -> None:
+def _refuse_options(model):
+    """The patched model's options, after refusing those TRL's head cannot express."""
     from .hf_patch import patched_options
 
     opts = patched_options(model)
@@ -149,6 +152,7 @@ def _refuse_options(model) -> None:
             "cannot express (TRL's loss is computed from per-token log-probabilities). Drop those options for TRL, "
             "or train with transformers' Trainer, where patch() applies them"
         )
+    return opts
 
 
 def _warn_once(key: str, message: str) -> None:

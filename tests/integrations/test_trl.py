@@ -208,3 +208,30 @@ def test_rl_call_of_trls_head_matches_trls_gradients():
         (lp0, e0, h0, w0), (lp1, e1, h1, w1) = results
         assert rel_err(lp1, lp0) <= 1e-5 and rel_err(e1, e0) <= 1e-5 and rel_err(h1, h0) <= 1e-5
         assert frozen or rel_err(w1, w0) <= 1e-5
+
+
+def test_rl_call_with_kept_logits(monkeypatch):
+    """A patched model's FusedLMLoss(keep_logits=True) reaches TRL's RL calls: the trainable head's backward reads
+    the logits kept in forward (no logits matmul), and the outputs and gradients are still TRL's own."""
+    import fused_lm_loss.chunked as chunked
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    model = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(keep_logits=True))
+    w = model.get_output_embeddings().weight
+    hidden, targets = torch.randn(14, 32), torch.randint(0, VOCAB, (14,))
+    a, b = torch.randn(14), torch.randn(14)
+    matmuls = []
+    into = chunked._logits_into
+    monkeypatch.setattr(chunked, "_logits_into", lambda *args: matmuls.append(1) or into(*args))
+    results = []
+    for fn in (trl_integration._trl_function, _ChunkedLogProbFunction):
+        h = hidden.clone().requires_grad_(True)
+        w.grad = None
+        lp, entropy, *_ = fn.apply(h, w, None, targets, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
+        forward_matmuls = len(matmuls)
+        ((lp * a).sum() + (entropy * b).sum()).backward()
+        if fn is _ChunkedLogProbFunction:
+            assert forward_matmuls == 1 and len(matmuls) == 1  # ours: one logits matmul, in forward
+        results.append((lp.detach(), entropy.detach(), h.grad, w.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        assert rel_err(got, want) <= 1e-5
