@@ -95,6 +95,36 @@ def test_per_token_loss_reads_the_kept_logits(backend, monkeypatch, options, tra
     assert spy.matmuls == 0  # backward recomputed no logits
 
 
+def test_backward_buffers_keep_to_the_budget(backend, monkeypatch):
+    """Reading kept logits, backward's G buffer stays within LOGITS_BUDGET_BYTES: where a recompute takes one
+    chunk of all rows (using the bytes of the fp32 dW accumulator of a bf16 head, which one chunk does not need),
+    it tiles the vocabulary instead, since the kept logits already hold N x V. Both as close to float64."""
+    n = 80
+    hidden, weight, labels, _ = make_inputs(n, H, V, dtype=torch.bfloat16, ignore_frac=0.5)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    kept_rows = int((labels != -100).sum())
+    per_logit = 2 + (plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0)
+    row_bytes = 2 * H + 4 * H  # the gathered row of h and its fp32 dX row
+    budget = kept_rows * (V * per_logit + row_bytes) - 1  # all rows, all columns: 1 byte too many ...
+    assert budget + V * H * 4 > kept_rows * (V * per_logit + row_bytes)  # ... but within budget + accumulator
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget)
+    monkeypatch.setattr(plan, "MIN_TILE_COLS", 16)
+    spy = Spy(monkeypatch)
+    a = torch.randn(n)
+    _, want = token_reference(hidden, weight, labels, a=a)
+    for keep in (False, True):
+        hidden.grad = weight.grad = None
+        out = token_stats(hidden, weight, labels, keep_logits=keep)
+        spy.reset()
+        (out.logprobs * a).sum().backward()
+        if keep:
+            assert len(spy.tile_widths) >= 2 and kept_rows * max(spy.tile_widths) * per_logit <= budget
+        else:
+            assert spy.tile_widths == [V]
+        assert rel_err(hidden.grad, want["hidden"]) <= 1e-2 and rel_err(weight.grad, want["weight"]) <= 1e-2
+
+
 def test_fp32_logits_kept_for_a_bf16_head(backend, monkeypatch):
     """logits_dtype=float32 keeps fp32 logits (and backward's G = hi + lo beside them); no worse than eager bf16."""
     hidden, weight, labels, _ = make_inputs(N, H, V, dtype=torch.bfloat16)

@@ -189,17 +189,19 @@ def test_trainer_label_smoothing_factor_warns(tmp_path):
 def test_rl_call_of_trls_head_matches_trls_gradients():
     """GRPO-style calls of TRL's head (log-probs and entropy, per-token advantages and an entropy bonus) give
     TRL's own outputs and gradients, trainable and frozen head."""
-    from trl.trainer.utils import _ChunkedLogProbFunction
+    import trl.trainer.utils as trl_utils
 
     for frozen in (False, True):
         model = fused_lm_loss.patch(make_model("llama"))
+        ours = trl_utils._ChunkedLogProbFunction  # (looked up after patch(), as TRL looks it up at each call)
+        assert ours is trl_integration.FusedLogProbs
         w = model.get_output_embeddings().weight
         w.requires_grad_(not frozen)
         hidden = torch.randn(14, 32)
         targets = torch.randint(0, VOCAB, (14,))
         a, b = torch.randn(14), torch.randn(14)
         results = []
-        for fn in (trl_integration._trl_function, _ChunkedLogProbFunction):
+        for fn in (trl_integration._trl_function, ours):
             h = hidden.clone().requires_grad_(True)
             w.grad = None
             lp, entropy, *_ = fn.apply(h, w, None, targets, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
@@ -214,9 +216,11 @@ def test_rl_call_with_kept_logits(monkeypatch):
     """A patched model's FusedLMLoss(keep_logits=True) reaches TRL's RL calls: the trainable head's backward reads
     the logits kept in forward (no logits matmul), and the outputs and gradients are still TRL's own."""
     import fused_lm_loss.chunked as chunked
-    from trl.trainer.utils import _ChunkedLogProbFunction
+    import trl.trainer.utils as trl_utils
 
     model = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(keep_logits=True))
+    ours = trl_utils._ChunkedLogProbFunction
+    assert ours is trl_integration.FusedLogProbs
     w = model.get_output_embeddings().weight
     hidden, targets = torch.randn(14, 32), torch.randint(0, VOCAB, (14,))
     a, b = torch.randn(14), torch.randn(14)
@@ -224,13 +228,13 @@ def test_rl_call_with_kept_logits(monkeypatch):
     into = chunked._logits_into
     monkeypatch.setattr(chunked, "_logits_into", lambda *args: matmuls.append(1) or into(*args))
     results = []
-    for fn in (trl_integration._trl_function, _ChunkedLogProbFunction):
+    for fn in (trl_integration._trl_function, ours):
         h = hidden.clone().requires_grad_(True)
         w.grad = None
         lp, entropy, *_ = fn.apply(h, w, None, targets, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
         forward_matmuls = len(matmuls)
         ((lp * a).sum() + (entropy * b).sum()).backward()
-        if fn is _ChunkedLogProbFunction:
+        if fn is ours:
             assert forward_matmuls == 1 and len(matmuls) == 1  # ours: one logits matmul, in forward
         results.append((lp.detach(), entropy.detach(), h.grad, w.grad.clone()))
     for got, want in zip(results[1], results[0]):
