@@ -162,8 +162,8 @@ def make_plan(
     cover a tile of the vocabulary instead of all of it (``vocab_tiling``); ``kept_logits``: "store" (a forward
     that keeps all rows' logits for backward: no logits chunk, no statistics epilogue) or "reuse" (a backward
     that reads them: each gradient component's G has a buffer of its own, the kept logits are never
-    overwritten, so retain_graph stays exact; and G keeps to the budget, without the dW accumulator's or
-    result's bytes that a chunk may otherwise take: the vocabulary is tiled instead).
+    overwritten, so retain_graph stays exact; and a chunk of all rows keeps to the budget: the vocabulary is
+    tiled instead).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
@@ -201,9 +201,10 @@ def make_plan(
         elif wide_dw:
             accumulator_bytes = weight.numel() * accum_dtype.itemsize
             result_bytes = weight.numel() * weight_dtype.itemsize
-        if kept_logits == "reuse":  # the kept logits already hold N x V: G stays within the budget (tiles)
-            accumulator_bytes = result_bytes = 0
-        max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, accumulator_bytes, result_bytes)
+        # The kept logits already hold N x V: their G takes no chunk of all rows beyond the budget (that chunk
+        # would hold the accumulator's or the returned dW's bytes while dW is written), so tiles or chunks
+        chunk_extra = (0, 0) if kept_logits == "reuse" else (accumulator_bytes, result_bytes)
+        max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, *chunk_extra)
     chunk_rows = split_rows(n_rows, max_rows)
     tile_cols = shard.size
     # (not with vocab parallelism: every rank's chunks stay those of chunk_vocab, in step with the others)
