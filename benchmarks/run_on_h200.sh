@@ -30,7 +30,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# TESTS / TESTS_AFTER: pytest paths to run before / after the benchmark (TESTS=0: none); *_TIMEOUT: seconds
+# TESTS / TESTS_AFTER: pytest paths to run before / after the benchmark (TESTS=0: none; split at spaces, so no
+# quoted -k expressions: name test ids instead); *_TIMEOUT: seconds
 run_tests() {  # $1: log name, $2: timeout, the rest: paths
     local log=$1 limit=$2
     shift 2
