@@ -166,7 +166,7 @@ def linear_token_stats(
     shaped like labels; a component's gradients are made only when it is precomputed and ``needs`` asks, the
     logits (N, V) kept for backward only with ``keep_logits`` (ops._kept_logits_buffer), else (0,)."""
     opts = _options(ignore_index, logit_scale, softcap, chunk_size, keep_logits)
-    kept = _kept_logits_buffer(opts, hidden, weight, labels, True)
+    kept = _kept_logits_buffer(opts, hidden, weight, labels, recomputes=True)  # (token_stats asks only then)
     head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
                                               kept)
     components = ("logprob",) * precompute_logprob + ("entropy",) * precompute_entropy
@@ -207,7 +207,7 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, prec
             x.new_empty(x.shape, dtype=dtype) if precomputed and need else hidden.new_empty((0,))
             for need, x, dtype in zip(needs, inputs, dtypes)
         ]
-    outputs.append(_kept_logits_buffer(opts, hidden, weight, labels, True))
+    outputs.append(_kept_logits_buffer(opts, hidden, weight, labels, recomputes=True))
     return tuple(outputs)
 
 
