@@ -109,6 +109,11 @@ CASES_2 = [
          bias=True, seed=14),
     Case("bf16", dtype=torch.bfloat16, options=dict(label_smoothing=0.1, chunk_size=8), bias=True, seed=12),
     Case("bf16_fp32_logits", dtype=torch.bfloat16, options=dict(logits_dtype=torch.float32, softcap=5.0), seed=13),
+    # reduction="none" with the shard's logits kept from forward for backward
+    Case("none_kept_logits", options=dict(FEATURES, reduction="none", chunk_size=4, keep_logits=True), bias=True,
+         seed=15),
+    Case("triton_none_kept_logits", backend="triton", options=dict(FEATURES, reduction="none", keep_logits=True),
+         rank_lora=3, seed=16),
 ]
 
 CASES_3 = [
@@ -120,6 +125,8 @@ CASES_3 = [
     Case("labels_in_first_shard", vocab=39, labels="first_shard", options=dict(label_smoothing=0.1), seed=24),
     Case("all_ignored", vocab=39, labels="all_ignored", options=dict(reduction="sum"), bias=True),
     Case("partial_grad_input", vocab=39, options=dict(reduce_grad_input=False), bias=True, seed=25),
+    Case("unequal_none_kept_logits", vocab=39, shards=(5, 20, 14), options=dict(FEATURES, reduction="none",
+         keep_logits=True), bias=True, seed=26),
 ]
 
 SHAPE, HIDDEN = (2, 9), 16
