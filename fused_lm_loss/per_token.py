@@ -99,8 +99,7 @@ def token_stats(
     _check_real("temperature", temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
-                       keep_logits=keep_logits)
+    opts = _options(ignore_index, logit_scale, softcap, chunk_size, keep_logits)
     _check_tensors(hidden, weight, labels, bias)
     if low_rank is not None:
         _check_low_rank(low_rank, hidden, weight)
