@@ -1,19 +1,21 @@
 """Triton kernels, one job per file: the "triton" backend (see ``backends.Backend``).
 
-Imported only when a Triton path runs (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+Imported only when a Triton path runs (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The helpers the
+kernels share are ``transform.py`` (the logit transform and its chain rule) and ``online.py`` (online softmax
+merges).
 """
 from . import matmul_stats
 from .grad_logits import grad_logits, token_grad_logits
-from .kept_rows import kept_rows
 from .matmul_stats import matmul_partials
 from .matmul_stats import partial_bytes_per_row as matmul_partial_bytes_per_row
 from .matmul_stats import supported as supports_stats_in_matmul
 from .row_stats import merge_partials, row_losses, row_stats
+from .select_rows import select_rows
 from .token_stats import token_stats
 
 name = "triton"
 
 __all__ = [
-    "grad_logits", "kept_rows", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats", "merge_partials", "name", "row_losses",
-    "row_stats", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
+    "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats", "merge_partials", "name",
+    "row_losses", "row_stats", "select_rows", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
 ]

@@ -8,9 +8,8 @@ zl the z-loss coefficient and t_i the row's target column (-1: not in this shard
 
     dloss_i / dz_ij = p_ij * (1 + 2 * zl * lse_i) - eps / V - (1 - eps) * [j == t_i]
 
-and the chain rule back to the raw matmul output x_ij (z = c * tanh(s * x / c) with softcap c, scale s)::
-
-    dz_ij / dx_ij = s * (1 - (z_ij / c)**2)        (just s without softcap)
+and the chain rule back to the raw matmul output x_ij through the logit transform (kernels/transform.py:
+dz/dx = factor * (1 - tanh^2) with a softcap, factor = scale / temperature).
 
 With class weights w (HAS_CLASS_WEIGHT; F.cross_entropy's weight=, combined with smoothing as PyTorch does,
 loss in ``torch_backend.loss_from_stats``), w_t = w[t_i] (0 for t_i < 0) and W = sum_j w_j::
@@ -27,7 +26,8 @@ used with fp32 logits) the fp32 gradient is stored as an unevaluated pair hi + l
 hi = round(g), lo = round(g - hi): ~16 significant bits, so the backward matmuls (one per term, fp32
 accumulation) see G almost as exactly as fp32, at tensor-core speed. The output may alias the input
 (in-place: each element is read, then written, by the same program), which is how the chunk loop
-reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row offsets are int64.
+reuses the logits buffer for the gradient. Grid: (rows, cdiv(V, BLOCK_V)); row offsets are int64. Both
+kernels here begin alike (``grad_prologue``: the block's logits, z, p).
 
 -inf logits need no special case here: p = exp(-inf - lse) = 0, and with softcap tanh(-inf) = -1 exactly,
 so dz/dx = 0, as autograd gives. A row whose lse is -inf (all its logits -inf) gets NaN, as in PyTorch.
@@ -43,13 +43,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_class_weight, check_target, scale_args
-from .softcap import tanh
-
-# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
-LOG2E = tl.constexpr(1.4426950408889634)
+from ..loss_terms import LossTerms
+from ..transform import LogitTransform
+from .args import check_class_weight, check_target
+from .online import LOG2E
+from .transform import chain_rule, loss_space, transform_scalars
 # token_grad_logits: logits more than 2^64 below the mean logit are raised to it (their p is 0 either way)
 CLAMP_BELOW_MEAN = tl.constexpr(1.8446744073709552e19)
+
+
+@triton.jit
+def grad_prologue(logits_ptr, logits_row_stride, lse_ptr, n_cols, factor, u_per_x, cap, HAS_SOFTCAP: tl.constexpr,
+                  HAS_FACTOR: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's (row, columns, mask), and of its logits block the loss-space z, the tanh t of the transform
+    (for ``chain_rule``), the row's lse and p = exp(z - lse)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    z, t = loss_space(x, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
+    lse = tl.load(lse_ptr + row)
+    return row, cols, mask, z, t, lse, tl.exp2((z - lse) * LOG2E)
 
 
 @triton.jit
@@ -75,13 +89,14 @@ def _grad_logits_kernel(
     weight_sum_ptr,
     n_cols,
     grad_scale,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     smoothing_per_class,
     target_weight,
     z_loss,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
@@ -89,25 +104,16 @@ def _grad_logits_kernel(
     BLOCK_V: tl.constexpr,
 ):
     grad_scale = tl.cast(grad_scale, tl.float32)
-    logit_scale = tl.cast(logit_scale, tl.float32)
-    u_per_x = tl.cast(u_per_x, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
+    factor, u_per_x, cap = transform_scalars(factor, u_per_x, cap)
     smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
     target_weight = tl.cast(target_weight, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < n_cols
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    row, cols, mask, z, t, lse, p = grad_prologue(
+        logits_ptr, logits_row_stride, lse_ptr, n_cols, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR, BLOCK_V
+    )
     scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    if HAS_SOFTCAP:
-        capped = tanh(x * u_per_x)  # u_per_x = logit_scale / softcap
-        z = softcap * capped
-    else:
-        z = x * logit_scale
     if HAS_CLASS_WEIGHT:
         target = tl.load(target_ptr + row)
         has_target = target >= 0
@@ -118,16 +124,14 @@ def _grad_logits_kernel(
         if SMOOTH_WEIGHTS:  # eps > 0: (eps / V) W in every p's coefficient, (eps / V) w_j per column
             coefficient += smoothing_per_class * tl.load(weight_sum_ptr)
             w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
-            grad = tl.exp2((z - lse) * LOG2E) * coefficient - smoothing_per_class * w
+            grad = p * coefficient - smoothing_per_class * w
         else:
-            grad = tl.exp2((z - lse) * LOG2E) * coefficient
+            grad = p * coefficient
         grad = tl.where(cols == target, grad - target_term, grad)
     else:
-        grad = tl.exp2((z - lse) * LOG2E) * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
+        grad = p * (1.0 + 2.0 * z_loss * lse) - smoothing_per_class
         grad = tl.where(cols == tl.load(target_ptr + row), grad - target_weight, grad)
-    grad = grad * (scale * logit_scale)
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
+    grad = chain_rule(grad, t, scale * factor, HAS_SOFTCAP)
     store_grad(grad_ptr, grad_lo_ptr, row * grad_row_stride + cols, grad, mask, SPLIT)
 
 
@@ -137,30 +141,26 @@ def grad_logits(
     target: torch.Tensor,
     lse: torch.Tensor,
     *,
+    transform: LogitTransform,
+    terms: LossTerms,
     grad_scale: float,
     row_scale: torch.Tensor | None,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    vocab_size: int,
-    z_loss: float,
     out_lo: torch.Tensor | None = None,
-    class_weight: torch.Tensor | None = None,
 ) -> None:
-    """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself),
-    and the rounding residual into ``out_lo`` when given; with ``class_weight`` ((V,) fp32) the gradient
-    of the class-weighted loss."""
+    """Write d(loss)/d(logits) of a (rows, V) chunk into ``out`` (which may be ``logits`` itself), times
+    ``grad_scale`` (and ``row_scale`` per row), and the rounding residual into ``out_lo`` when given; with class
+    weights in ``terms`` the gradient of the class-weighted loss."""
     rows, n_cols = logits.shape
+    class_weight = terms.class_weight
     check_target(target, rows, logits.device, "grad_logits")
     check_class_weight(class_weight, n_cols, logits.device, "grad_logits")
     if rows == 0:
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
     assert out_lo is None or out_lo.stride() == out.stride()
-    logit_scale, u_per_x, softcap_arg = scale_args(logit_scale, softcap)
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     weighted = class_weight is not None
-    smooth_weights = weighted and label_smoothing > 0
+    smooth_weights = weighted and terms.smooths
     # W on the device, no host sync: one tiny reduction per call
     weight_sum = class_weight.sum().reshape(1) if smooth_weights else None
     _grad_logits_kernel[(rows, triton.cdiv(n_cols, block_v))](
@@ -176,19 +176,17 @@ def grad_logits(
         weight_sum if smooth_weights else lse,
         n_cols,
         float(grad_scale),
-        logit_scale,
-        u_per_x,
-        softcap_arg,
-        float(label_smoothing) / vocab_size,
-        1.0 - float(label_smoothing),
-        float(z_loss),
-        HAS_SOFTCAP=softcap is not None,
+        *transform.kernel_args(),
+        terms.smoothing_per_class,
+        1.0 - float(terms.label_smoothing),
+        float(terms.z_loss),
+        **transform.kernel_flags(),
         PER_ROW_SCALE=row_scale is not None,
         SPLIT=out_lo is not None,
         HAS_CLASS_WEIGHT=weighted,
         SMOOTH_WEIGHTS=smooth_weights,
         BLOCK_V=block_v,
-        num_warps=4 if softcap is not None or block_v < 2048 else 8,  # softcap: 4 warps 10% faster (NOTES.md)
+        num_warps=4 if transform.has_softcap or block_v < 2048 else 8,  # softcap: 4 warps 10% faster (NOTES.md)
     )
 
 
@@ -204,29 +202,20 @@ def _token_grad_kernel(
     grad_logprob_ptr,
     grad_entropy_ptr,
     n_cols,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     HAS_LOGPROB: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """See ``token_grad_logits``; one program per (row, BLOCK_V columns)."""
-    logit_scale = tl.cast(logit_scale, tl.float32)
-    u_per_x = tl.cast(u_per_x, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < n_cols
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + row)
-    if HAS_SOFTCAP:
-        capped = tanh(x * u_per_x)  # u_per_x = logit_scale / softcap
-        z = softcap * capped
-    else:
-        z = x * logit_scale
-    p = tl.exp2((z - lse) * LOG2E)
+    factor, u_per_x, cap = transform_scalars(factor, u_per_x, cap)
+    row, cols, mask, z, t, lse, p = grad_prologue(
+        logits_ptr, logits_row_stride, lse_ptr, n_cols, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR, BLOCK_V
+    )
     if HAS_LOGPROB:
         a = tl.load(grad_logprob_ptr + row)
         if HAS_ENTROPY:
@@ -246,9 +235,7 @@ def _token_grad_kernel(
         grad = tl.where(p > 0.0, (tl.load(grad_entropy_ptr + row) * p) * (mean_z - z), 0.0)
     else:
         grad = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    grad = grad * logit_scale
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - capped * capped)
+    grad = chain_rule(grad, t, factor, HAS_SOFTCAP)
     store_grad(grad_ptr, grad_ptr, row * grad_row_stride + cols, grad, mask, False)
 
 
@@ -261,8 +248,7 @@ def token_grad_logits(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     *,
-    logit_scale: float,
-    softcap: float | None,
+    transform: LogitTransform,
 ) -> None:
     """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a (rows, V) chunk (``token_stats``; any
     columns of the vocabulary: lse and entropy are the whole row's, target -1 where the label is elsewhere),
@@ -271,7 +257,7 @@ def token_grad_logits(
 
         dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (b p_j (E - z_j) = 0 where p_j = 0)
 
-    then dz/dx as in ``grad_logits`` (logit_scale; times 1 - tanh^2 with softcap). A row that is all -inf
+    then dz/dx as in ``grad_logits`` (the transform's chain rule). A row that is all -inf
     (lse -inf, p NaN) gets NaN from the a term, and 0 from the b term alone, as the PyTorch twin."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "token_grad_logits")
@@ -292,10 +278,10 @@ def token_grad_logits(
         grad_logprob if grad_logprob is not None else lse,
         grad_entropy if grad_entropy is not None else lse,
         n_cols,
-        *scale_args(logit_scale, softcap),
-        HAS_SOFTCAP=softcap is not None,
+        *transform.kernel_args(),
+        **transform.kernel_flags(),
         HAS_LOGPROB=grad_logprob is not None,
         HAS_ENTROPY=grad_entropy is not None,
         BLOCK_V=block_v,
-        num_warps=4 if softcap is not None or block_v < 2048 else 8,  # as grad_logits (not measured here)
+        num_warps=4 if transform.has_softcap or block_v < 2048 else 8,  # as grad_logits (not measured here)
     )

@@ -4,7 +4,7 @@ Without gradients nothing needs the logits except the softmax statistics, so thi
 them. Each output tile x = h[rows] @ W[cols].T (+ b[cols]) is formed in fp32 on the tensor cores and
 reduced in registers to the per-(row, tile) partials of ``row_stats``::
 
-    z = logit_scale * x   (then softcap)        x first rounded to the logits dtype, as a stored chunk
+    z = transform(x)                            x first rounded to the logits dtype, as a stored chunk
     m = max_j z_j     s = sum_j exp(z_j - m)     sum = sum_j z_j (label smoothing)     z_t (tile holding t)
 
 written as partial[k, tile_n, row] (k = max, sum-exp, target logit, sum; the target logit only into
@@ -19,7 +19,7 @@ matmul runs within 0-6% of cuBLAS; the epilogue is not overlapped with the tenso
 a few ALU instructions per element (see the comment there). The forward without gradients then costs
 1.00-1.07x one cuBLAS matmul of the full batch (10% ignored rows), against 0.97-1.20x for cuBLAS + the
 stats kernel reading the logits back: a gain at small H (Qwen2.5-0.5B), equal at H >= 3584
-(benchmarks/NOTES.md, v11).
+(benchmarks/NOTES.md).
 
 Needs a GPU with TMA (sm90+), bf16/fp16 operands with 16-byte aligned rows, and a Triton with host
 tensor descriptors; ``supported`` says whether the inputs qualify, else the chunk loop keeps the
@@ -34,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target, scale_args
-from .softcap import softcap_scaled
+from ..transform import LogitTransform
+from .args import check_target
+from .online import LOG2E
+from .transform import loss_space, transform_scalars
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -44,7 +46,6 @@ except ImportError:  # triton < 3.3
 
 _HAS_FLATTEN = "flatten" in inspect.signature(tl.range.__init__).parameters
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 128, 256, 64, 3, 8  # the best of 8 configs on the H200 (v11)
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -57,11 +58,11 @@ def _matmul_stats_kernel(
     n_rows,
     n_cols,
     hidden_size,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     ROUND_TO_BF16: tl.constexpr,
     ROUND_TO_FP16: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -71,9 +72,7 @@ def _matmul_stats_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    logit_scale = tl.cast(logit_scale, tl.float32)
-    u_per_x = tl.cast(u_per_x, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
+    factor, u_per_x, cap = transform_scalars(factor, u_per_x, cap)
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     k_steps = tl.cdiv(hidden_size, BLOCK_K)
@@ -89,7 +88,7 @@ def _matmul_stats_kernel(
             acc = tl.dot(h, w.T, acc)
 
         # Epilogue, in ALU instructions per element (it is not overlapped with the tensor cores, so each one
-        # costs ~1% of the matmul at K = 896): no scale when it is 1, the column mask only in the last
+        # costs ~1% of the matmul at K = 896): no multiply when the factor is 1, the column mask only in the last
         # vocabulary tile, the target compare only in tiles that hold some row's target, exp2 with one FFMA.
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,10 +100,7 @@ def _matmul_stats_kernel(
             z = z.to(tl.bfloat16).to(tl.float32)
         if ROUND_TO_FP16:
             z = z.to(tl.float16).to(tl.float32)
-        if HAS_SOFTCAP:  # the scale folded into u_per_x = logit_scale / softcap
-            z = softcap_scaled(z, u_per_x, softcap)
-        elif HAS_SCALE:
-            z = z * logit_scale
+        z, _ = loss_space(z, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - tile_n * BLOCK_N
         has_target = row_ok & (target >= 0) & (target < BLOCK_N)
         if tl.sum(has_target.to(tl.int32), axis=0) > 0:
@@ -149,8 +145,7 @@ def matmul_partials(
     target: torch.Tensor,
     *,
     logits_dtype: torch.dtype,
-    logit_scale: float,
-    softcap: float | None,
+    transform: LogitTransform,
     need_sum: bool,
 ) -> torch.Tensor:
     """The (4, tiles, rows) fp32 partials of logits = hidden @ weight.T (+ bias), without writing the logits.
@@ -176,12 +171,11 @@ def matmul_partials(
         rows,
         vocab,
         hidden_size,
-        *scale_args(logit_scale, softcap),
+        *transform.kernel_args(),
+        **transform.kernel_flags(),
         HAS_BIAS=bias is not None,
-        HAS_SCALE=logit_scale != 1.0,
         ROUND_TO_BF16=logits_dtype == torch.bfloat16,
         ROUND_TO_FP16=logits_dtype == torch.float16,
-        HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_sum,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,

@@ -1,17 +1,13 @@
 """Triton kernel: per-row softmax statistics of one logits chunk.
 
 For each row ``i`` of the raw logits chunk ``x`` (the matmul output, any float dtype) the kernel
-forms the loss-space logits in fp32::
-
-    z_ij = logit_scale * x_ij                                  (no softcap)
-    z_ij = softcap * tanh(logit_scale * x_ij / softcap)         (softcap; kernels/softcap.py)
-
+forms the loss-space logits z in fp32 (the logit transform: scale, softcap, temperature; kernels/transform.py)
 and, in one pass over the row with an online softmax, writes four fp32 numbers::
 
     row_max[i]      = m_i   = max_j z_ij
     row_sumexp[i]   = s_i   = sum_j exp(z_ij - m_i)          (so lse_i = m_i + log s_i)
     target_logit[i] = z_i,t  with t = target[i]  (0 when t < 0: target outside this vocab shard)
-    logit_sum[i]    = sum_j z_ij                 (only when NEED_SUM: label smoothing needs mean z)
+    logit_sum[i]    = sum_j z_ij                 (only when NEED_SUM: label smoothing needs mean z; terms.smooths)
                       sum_j w_j z_ij             (with class weights w: HAS_CLASS_WEIGHT; w_j z_ij = 0 where w_j = 0)
 
 The four are returned separately (not as lse) so that vocab-parallel shards can merge them:
@@ -24,7 +20,7 @@ each row is split into segments of SEGMENT_COLS columns: one program per (row, s
     M_i = max_k m_ik        s_i = sum_k s_ik * exp(m_ik - M_i)        sum_i = sum_k sum_ik
 
 When one chunk holds the whole vocabulary (no vocab-parallel merge to come), ``row_losses`` has that
-merge kernel write the row's loss and lse directly (formula in ``merge_partials``), instead of the four
+merge kernel write the row's loss and lse directly (``loss_terms.loss_from_stats``), instead of the four
 statistics. ``matmul_stats.py`` writes the same partials from the logits matmul's epilogue.
 
 -inf logits (a masked vocabulary range, a -inf bias) give what PyTorch gives: a segment, or a block of the
@@ -42,35 +38,28 @@ Row offsets are int64 because rows x V passes 2**31.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from .args import check_class_weight, check_target, scale_args
-from .softcap import softcap_scaled
-
-# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """fp32 loss-space logits z of raw fp32 logits x (u_per_x = logit_scale / softcap)."""
-    if HAS_SOFTCAP:
-        z = softcap_scaled(x, u_per_x, softcap)
-    else:
-        z = x * logit_scale
-    return z
+from ..loss_terms import LossTerms
+from ..transform import LogitTransform
+from .args import check_class_weight, check_target
+from .online import LOG2E, merge_segments, segment_block
+from .transform import loss_space, transform_scalars
 
 
 @triton.jit
 def online_row_stats(
     row_ptr,
     n_cols,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     NEED_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr,
     weight_ptr,
@@ -87,7 +76,7 @@ def online_row_stats(
         cols = start + offsets
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        z, _ = loss_space(x, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
         if NEED_SUM:
             if HAS_CLASS_WEIGHT:
                 # w_j z_j, 0 where w_j = 0: no 0 * -inf = NaN at a -inf logit; masked columns load w = 0
@@ -106,11 +95,12 @@ def online_row_stats(
 
 
 @triton.jit
-def target_logit(row_ptr, target, logit_scale, u_per_x, softcap, HAS_SOFTCAP: tl.constexpr):
+def target_logit(row_ptr, target, factor, u_per_x, cap, HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr):
     """z_i,t of the row (0 when target < 0, i.e. the class lives in another vocab shard)."""
     has_target = target >= 0
     x = tl.load(row_ptr + tl.where(has_target, target, 0)).to(tl.float32)
-    return tl.where(has_target, loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP), 0.0)
+    z, _ = loss_space(x, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
+    return tl.where(has_target, z, 0.0)
 
 
 #: Columns per program; 16384 bf16 values = 32 KiB per row segment.
@@ -126,10 +116,11 @@ def _segment_stats_kernel(
     class_weight_ptr,
     n_rows,
     n_cols,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     NEED_SUM: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     SEGMENT_COLS: tl.constexpr,
@@ -138,9 +129,7 @@ def _segment_stats_kernel(
     """partial[k, segment, row] for k = (max, sum-exp, target logit, sum), like ``stats`` with a segment
     axis (so that with one segment it is ``stats``); only segment 0 writes the target logit. With
     HAS_CLASS_WEIGHT (and NEED_SUM) the sum is weighted by the (V,) fp32 ``class_weight``."""
-    logit_scale = tl.cast(logit_scale, tl.float32)
-    u_per_x = tl.cast(u_per_x, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
+    factor, u_per_x, cap = transform_scalars(factor, u_per_x, cap)
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -149,10 +138,11 @@ def _segment_stats_kernel(
     seg_max, seg_sumexp, seg_sum = online_row_stats(
         row_ptr + first_col,
         tl.minimum(n_cols - first_col, SEGMENT_COLS),
-        logit_scale,
+        factor,
         u_per_x,
-        softcap,
+        cap,
         HAS_SOFTCAP,
+        HAS_FACTOR,
         NEED_SUM,
         BLOCK_V,
         class_weight_ptr + first_col,
@@ -163,7 +153,7 @@ def _segment_stats_kernel(
     tl.store(out + n_segments * n_rows, seg_sumexp)
     tl.store(out + 3 * n_segments * n_rows, seg_sum)
     if segment == 0:
-        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(out + 2 * n_segments * n_rows, z_target)
 
 
@@ -189,7 +179,7 @@ def _merge_segments_kernel(
 ):
     """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
     (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
-    row's loss and lse (see ``merge_partials``). Segments are merged BLOCK_SEGMENTS at a time, online.
+    row's loss and lse (``loss_terms.loss_from_stats``). Segments are merged BLOCK_SEGMENTS at a time, online.
     Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
     sum-exp 0, lse -inf. HAS_CLASS_WEIGHT (with WRITE_LOSS): the weighted loss, w_t = class_weight[target]
     (0 for a target < 0) and W = weight_sum[0]."""
@@ -203,15 +193,10 @@ def _merge_segments_kernel(
     row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     for first in range(0, n_segments, BLOCK_SEGMENTS):
-        segments = first + tl.arange(0, BLOCK_SEGMENTS)
-        offsets = segments[:, None] * n_rows + rows[None, :]
-        mask = (segments[:, None] < n_segments) & row_mask[None, :]
+        offsets, mask = segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS)
         seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
         seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
-        new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
-        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(seg_sumexp * tl.exp(seg_max - shift[None, :]), axis=0)
-        row_max = new_max
+        row_max, row_sumexp, _, _, _ = merge_segments(row_max, row_sumexp, seg_max, seg_sumexp)
         if HAS_SUM:
             row_sum += tl.sum(tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0), axis=0)
     row_max = tl.where(row_mask, row_max, 0.0)
@@ -239,62 +224,51 @@ def _merge_segments_kernel(
 
 
 def _segment_partials(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    out: torch.Tensor,
-    logit_scale: float,
-    softcap: float | None,
-    need_sum: bool,
-    class_weight: torch.Tensor | None = None,
+    logits: torch.Tensor, target: torch.Tensor, out: torch.Tensor, transform: LogitTransform, terms: LossTerms
 ) -> None:
     """out[k, segment, row] for k = (max, sum-exp, target logit, sum); ``out`` is (4, n_segments, rows).
-    The sum is weighted by ``class_weight`` when given."""
+    The sum (``terms.smooths``) is weighted by the class weights when given."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1
-    weighted = need_sum and class_weight is not None  # (only the sum reads the class weights)
+    weighted = terms.smooths and terms.class_weight is not None  # (only the sum reads the class weights)
     _segment_stats_kernel[(rows, out.shape[1])](
         logits,
         logits.stride(0),
         target,
         out,
-        class_weight if weighted else out,
+        terms.class_weight if weighted else out,
         rows,
         n_cols,
-        *scale_args(logit_scale, softcap),
-        HAS_SOFTCAP=softcap is not None,
-        NEED_SUM=need_sum,
+        *transform.kernel_args(),
+        **transform.kernel_flags(),
+        NEED_SUM=terms.smooths,
         HAS_CLASS_WEIGHT=weighted,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
-        # 2048 x 2 warps: ~5% faster than 4 warps on the H200 (benchmarks/NOTES.md, v7); with softcap (more ALU work
-        # and registers per element) 4 warps: 9% faster than 2 (NOTES.md, kernels-robust)
-        num_warps=4 if softcap is not None else 2,
+        # 2048 x 2 warps: ~5% faster than 4 warps on the H200; with softcap (more ALU work and registers per
+        # element) 4 warps: 9% faster than 2 (benchmarks/NOTES.md)
+        num_warps=4 if transform.has_softcap else 2,
     )
 
 
 def row_stats(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    logit_scale: float,
-    softcap: float | None,
-    need_sum: bool,
-    class_weight: torch.Tensor | None = None,
+    logits: torch.Tensor, target: torch.Tensor, *, transform: LogitTransform, terms: LossTerms
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the stats kernels on a (rows, V) logits chunk; returns (max, sumexp, target_logit, logit_sum), fp32.
-    With ``class_weight`` ((V,) fp32) the logit sum is sum_j w_j z_j (0 where w_j = 0)."""
+    The logit sum only when ``terms.smooths`` (sum_j w_j z_j with class weights; 0 where w_j = 0)."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "row_stats")
-    check_class_weight(class_weight, n_cols, logits.device, "row_stats")
+    check_class_weight(terms.class_weight, n_cols, logits.device, "row_stats")
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
         return stats[0], stats[1], stats[2], stats[3]
     # With one segment the partials are the statistics: write them in place.
     partial = stats if n_segments == 1 else torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_partials(logits, target, partial.view(4, n_segments, rows), logit_scale, softcap, need_sum, class_weight)
+    _segment_partials(logits, target, partial.view(4, n_segments, rows), transform, terms)
     if n_segments > 1:
-        return merge_partials(partial, need_sum=need_sum)
+        # the partial sums are already weighted; merging them needs no class weights
+        return merge_partials(partial, terms=replace(terms, class_weight=None))
     return stats[0], stats[1], stats[2], stats[3]
 
 
@@ -304,62 +278,46 @@ def row_losses(
     loss_out: torch.Tensor,
     lse_out: torch.Tensor,
     *,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-    class_weight: torch.Tensor | None = None,
+    transform: LogitTransform,
+    terms: LossTerms,
 ) -> None:
     """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of a chunk that holds the whole vocabulary:
-    the segment partials, then ``merge_partials`` (which has the formula, with and without ``class_weight``)."""
+    the segment partials, then ``merge_partials``."""
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "row_losses")
-    check_class_weight(class_weight, n_cols, logits.device, "row_losses")
+    check_class_weight(terms.class_weight, n_cols, logits.device, "row_losses")
     if rows == 0:
         return
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
     partial = torch.empty((4, n_segments, rows), dtype=torch.float32, device=logits.device)
-    _segment_partials(logits, target, partial, logit_scale, softcap, label_smoothing > 0, class_weight)
-    merge_partials(
-        partial, need_sum=label_smoothing > 0, loss_out=loss_out, lse_out=lse_out,
-        label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size, target=target,
-        class_weight=class_weight,
-    )
+    _segment_partials(logits, target, partial, transform, terms)
+    merge_partials(partial, terms=terms, loss_out=loss_out, lse_out=lse_out, target=target)
 
 
 def merge_partials(
     partial: torch.Tensor,
     *,
-    need_sum: bool,
+    terms: LossTerms,
     loss_out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    vocab_size: int = 1,
     target: torch.Tensor | None = None,
-    class_weight: torch.Tensor | None = None,
 ):
     """Merge a (4, segments, rows) partial buffer (target logit in segment 0's slot).
 
     Without outputs: returns the rows' (max, sumexp, target_logit, logit_sum), fp32, for a vocab-parallel
-    merge. With ``loss_out`` / ``lse_out`` (the partials cover the whole vocabulary) the merge kernel
-    writes each row's loss and lse instead::
-
-        lse = m + log s      loss = lse - (1 - eps) * z_t - (eps / V) * sum_z + z_loss * lse**2
-
-    and with ``class_weight`` ((V,) fp32; the partials' sum weighted by it, as ``row_losses`` makes them)
-    and the rows' ``target``, w_t = class_weight[target] and W = sum_j w_j (summed here, on the device)::
-
-        loss = (1 - eps) * w_t * (lse - z_t) + (eps / V) * (W * lse - sum_j w_j z_j) + z_loss * lse**2
+    merge. With ``loss_out`` / ``lse_out`` (the partials cover the whole vocabulary) the merge kernel writes each
+    row's loss and lse instead (``loss_terms.loss_from_stats``); with class weights (the partials' sum weighted
+    by them, as ``row_losses`` makes them) it reads the rows' ``target`` for w_t, and W = sum_j w_j is summed
+    here, on the device.
     """
     _, n_segments, rows = partial.shape
     assert partial.is_contiguous()
     write_loss = loss_out is not None
+    class_weight = terms.class_weight
     weighted = class_weight is not None
     assert not weighted or (write_loss and target is not None and target.shape == (rows,) and target.is_contiguous())
     # W on the device, no host sync: one tiny reduction per call, read by the merge kernel only with smoothing
-    weight_sum = class_weight.sum().reshape(1) if weighted and need_sum else None
+    weight_sum = class_weight.sum().reshape(1) if weighted and terms.smooths else None
     stats = partial if write_loss else torch.empty((4, rows), dtype=torch.float32, device=partial.device)
     if rows:
         assert not write_loss or (loss_out.stride(0) == 1 and lse_out.stride(0) == 1)
@@ -374,10 +332,10 @@ def merge_partials(
             weight_sum if weight_sum is not None else stats,
             rows,
             n_segments,
-            float(label_smoothing) / vocab_size,
-            1.0 - float(label_smoothing),
-            float(z_loss),
-            HAS_SUM=need_sum,
+            terms.smoothing_per_class,
+            1.0 - float(terms.label_smoothing),
+            float(terms.z_loss),
+            HAS_SUM=terms.smooths,
             WRITE_LOSS=write_loss,
             HAS_CLASS_WEIGHT=weighted,
             BLOCK_ROWS=block_rows,

@@ -1,7 +1,7 @@
 """Triton kernels: per-token log-probability of the label, entropy, lse and argmax of one logits chunk.
 
-For a (rows, V) chunk that holds the whole vocabulary, with z the fp32 loss-space logits of row i (scale and
-softcap as in ``row_stats``), p = softmax(z) and t = target[i] (>= 0)::
+For a (rows, V) chunk that holds the whole vocabulary, with z the fp32 loss-space logits of row i (the logit
+transform, kernels/transform.py), p = softmax(z) and t = target[i] (>= 0)::
 
     lse     = log sum_j exp(z_j)
     logprob = z_t - lse
@@ -17,7 +17,8 @@ logprob does not round through lse.
 
 As ``row_stats``, one program per (row, SEGMENT_COLS-column segment) reads its segment once, online over
 blocks of BLOCK_V columns (``online_token_stats``), and writes the partials (m, s, w) and the segment's first
-argmax; a second, small kernel merges a row's segments, BLOCK_SEGMENTS at a time, and writes the four outputs.
+argmax; a second, small kernel merges a row's segments, BLOCK_SEGMENTS at a time (``online.merge_segments``),
+and writes the four outputs.
 Moving the reference of (s, w) from m to m' >= m::
 
     s' = k s        w' = k (w + (m - m') s)        with k = exp(m - m')
@@ -48,8 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import check_target, scale_args
-from .row_stats import LOG2E, loss_space, target_logit
+from ..transform import LogitTransform
+from .args import check_target
+from .online import LOG2E, merge_segments, segment_block
+from .row_stats import target_logit
+from .transform import loss_space, transform_scalars
 
 #: Columns per program, as ``row_stats.SEGMENT_COLS`` (16384 bf16 values = 32 KiB per row segment).
 SEGMENT_COLS = 16384
@@ -63,10 +67,11 @@ LN2 = tl.constexpr(0.6931471805599453)
 def online_token_stats(
     row_ptr,
     n_cols,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     NEED_ARGMAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -87,7 +92,7 @@ def online_token_stats(
         cols = start + offsets
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = loss_space(x, logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        z, _ = loss_space(x, factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
         z = tl.where(mask, z, float("-inf"))
         block_max = tl.max(z, axis=0)
         new_max = tl.maximum(running_max, block_max)
@@ -125,19 +130,18 @@ def _token_segment_kernel(
     arg_ptr,
     n_rows,
     n_cols,
-    logit_scale,
+    factor,
     u_per_x,
-    softcap,
+    cap,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
     NEED_ARGMAX: tl.constexpr,
     SEGMENT_COLS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """partial[k * segments + segment, row] for k = (m, s, w), partial[3 * segments, row] = z_t (segment 0),
     arg[segment, row] = the segment's first argmax column (NEED_ARGMAX)."""
-    logit_scale = tl.cast(logit_scale, tl.float32)
-    u_per_x = tl.cast(u_per_x, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
+    factor, u_per_x, cap = transform_scalars(factor, u_per_x, cap)
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     n_segments = tl.num_programs(1)
@@ -146,10 +150,11 @@ def _token_segment_kernel(
     seg_max, seg_sumexp, seg_wsum, seg_arg = online_token_stats(
         row_ptr + first_col,
         tl.minimum(n_cols - first_col, SEGMENT_COLS),
-        logit_scale,
+        factor,
         u_per_x,
-        softcap,
+        cap,
         HAS_SOFTCAP,
+        HAS_FACTOR,
         NEED_ARGMAX,
         BLOCK_V,
     )
@@ -161,7 +166,7 @@ def _token_segment_kernel(
     if NEED_ARGMAX:
         tl.store(arg_ptr + segment * n_rows + row, first_col + seg_arg)
     if segment == 0:
-        z_target = target_logit(row_ptr, tl.load(target_ptr + row), logit_scale, u_per_x, softcap, HAS_SOFTCAP)
+        z_target = target_logit(row_ptr, tl.load(target_ptr + row), factor, u_per_x, cap, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(partial_ptr + 3 * stat_stride + row, z_target)
 
 
@@ -189,26 +194,21 @@ def _token_merge_kernel(
     row_wsum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     row_arg = tl.zeros((BLOCK_ROWS,), dtype=tl.int32)
     for first in range(0, n_segments, BLOCK_SEGMENTS):
-        segments = first + tl.arange(0, BLOCK_SEGMENTS)
-        offsets = segments[:, None] * n_rows + rows[None, :]
-        mask = (segments[:, None] < n_segments) & row_mask[None, :]
+        offsets, mask = segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS)
         seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
         seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
         seg_wsum = tl.load(partial_ptr + 2 * stat_stride + offsets, mask=mask, other=0.0)
         block_max = tl.max(seg_max, axis=0)
-        new_max = tl.maximum(row_max, block_max)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
-        seg_rescale = tl.exp(seg_max - shift[None, :])
+        old_max, old_sumexp = row_max, row_sumexp
+        row_max, row_sumexp, shift, rescale, seg_rescale = merge_segments(row_max, row_sumexp, seg_max, seg_sumexp)
+        # w moves with s (module docstring): w' = k (w + (m - m') s), the (m - m') s of an empty state clamped
         seg_wsum = seg_rescale * (seg_wsum + tl.maximum(seg_max - shift[None, :], NEG_FLT_MAX) * seg_sumexp)
-        rescale = tl.exp(row_max - shift)
-        row_wsum = rescale * (row_wsum + tl.maximum(row_max - shift, NEG_FLT_MAX) * row_sumexp)
+        row_wsum = rescale * (row_wsum + tl.maximum(old_max - shift, NEG_FLT_MAX) * old_sumexp)
         row_wsum += tl.sum(seg_wsum, axis=0)
-        row_sumexp = row_sumexp * rescale + tl.sum(seg_sumexp * seg_rescale, axis=0)
         if NEED_ARGMAX:
             seg_arg = tl.load(arg_ptr + offsets, mask=mask, other=INT32_MAX)
             block_arg = tl.min(tl.where(seg_max == block_max[None, :], seg_arg, INT32_MAX), axis=0)
-            row_arg = tl.where(block_max > row_max, block_arg, row_arg)  # ties keep the earlier segment
-        row_max = new_max
+            row_arg = tl.where(block_max > old_max, block_arg, row_arg)  # ties keep the earlier segment
     # rows past the end: s = 1 keeps log() quiet (nothing is stored)
     row_sumexp = tl.where(row_mask, row_sumexp, 1.0)
     log_sumexp = tl.log(row_sumexp)
@@ -229,8 +229,7 @@ def token_stats(
     lse_out: torch.Tensor,
     argmax_out: torch.Tensor | None,
     *,
-    logit_scale: float,
-    softcap: float | None,
+    transform: LogitTransform,
 ) -> None:
     """Per row of a (rows, V) chunk holding the whole vocabulary: log p(target), entropy, lse into the (rows,)
     fp32 outputs and the first argmax into ``argmax_out`` (int64; skipped when None). ``target`` >= 0."""
@@ -253,14 +252,14 @@ def token_stats(
         arg,
         rows,
         n_cols,
-        *scale_args(logit_scale, softcap),
-        HAS_SOFTCAP=softcap is not None,
+        *transform.kernel_args(),
+        **transform.kernel_flags(),
         NEED_ARGMAX=need_argmax,
         SEGMENT_COLS=SEGMENT_COLS,
         BLOCK_V=min(triton.next_power_of_2(n_cols), 2048),
         # As row_stats (not measured for this kernel): 2 warps, 4 with softcap. No spills in an sm90 compile (triton
         # 3.9): 55 registers at 2 warps, 72 with the argmax; 48 with softcap at 4 warps
-        num_warps=4 if softcap is not None else 2,
+        num_warps=4 if transform.has_softcap else 2,
     )
     block_rows = 32
     _token_merge_kernel[(triton.cdiv(rows, block_rows),)](

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from fused_lm_loss import torch_backend
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
 
 from ..conftest import interpreter_numpy_warnings, requires_triton
 from ..reference import rel_err
@@ -80,8 +82,9 @@ def test_row_stats_weighted_sum(dtype, softcap, segment_cols, monkeypatch):
         "target": torch.where(target >= 0, z.gather(1, target.clamp(min=0)[:, None]).squeeze(1), 0.0),
         "sum": (z * w.double()).sum(1),
     }
+    terms = LossTerms(label_smoothing=0.1, vocab_size=logits.shape[1], class_weight=w)  # smoothing: the sum
     for impl in (row_stats, torch_backend.row_stats):
-        got = impl(logits, target, logit_scale=LOGIT_SCALE, softcap=softcap, need_sum=True, class_weight=w)
+        got = impl(logits, target, transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap), terms=terms)
         for (name, want), have in zip(expected.items(), got):
             assert have.dtype == torch.float32
             assert rel_err(have, want) < 1e-5, (impl.__module__, name)
@@ -99,8 +102,8 @@ def test_row_losses_with_class_weights(dtype, softcap, label_smoothing, z_loss, 
     loss, lse, _ = _reference(logits, target, w, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss)
     for impl in (row_losses, torch_backend.row_losses):
         got_loss, got_lse = torch.full((2, rows), float("nan")).unbind(0)
-        impl(logits, target, got_loss, got_lse, logit_scale=LOGIT_SCALE, softcap=softcap,
-             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab, class_weight=w)
+        impl(logits, target, got_loss, got_lse, transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap),
+             terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab, class_weight=w))
         assert rel_err(got_loss, loss) < 1e-5, impl.__module__
         assert rel_err(got_lse, lse) < 1e-6, impl.__module__
 
@@ -119,8 +122,9 @@ def test_grad_logits_with_class_weights(dtype, softcap, label_smoothing, z_loss)
         for per_row in (True, False):
             out = torch.full_like(logits, float("nan"))  # poisoned: every element must be written
             impl(logits, out, target, lse.float(), grad_scale=grad_scale * (1.0 if per_row else 2.0),
-                 row_scale=row_scale if per_row else None, logit_scale=LOGIT_SCALE, softcap=softcap,
-                 label_smoothing=label_smoothing, vocab_size=vocab, z_loss=z_loss, class_weight=w)
+                 row_scale=row_scale if per_row else None,
+                 transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap),
+                 terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab, class_weight=w))
             expected = want if per_row else want / row_scale[:, None] * 2.0
             assert torch.isfinite(out).all(), impl.__module__
             assert rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 8e-3), (impl.__module__, per_row)
@@ -135,8 +139,8 @@ def test_grad_logits_with_class_weights_in_place_split_and_target_elsewhere():
     target[[1, 4]] = -1
     w = _class_weights(vocab)
     lse = torch.logsumexp(logits * LOGIT_SCALE, 1)
-    kwargs = dict(grad_scale=0.5, row_scale=None, logit_scale=LOGIT_SCALE, softcap=None, label_smoothing=0.1,
-                  vocab_size=vocab, z_loss=1e-3, class_weight=w)
+    kwargs = dict(grad_scale=0.5, row_scale=None, transform=LogitTransform(scale=LOGIT_SCALE),
+                  terms=LossTerms(label_smoothing=0.1, z_loss=1e-3, vocab_size=vocab, class_weight=w))
     want = torch.empty_like(logits)
     torch_backend.grad_logits(logits, want, target, lse, **kwargs)
     p = torch.softmax(logits.double() * LOGIT_SCALE, 1)
@@ -176,6 +180,8 @@ def test_class_weights_with_neg_inf_logits(dtype, softcap, label_smoothing, z_lo
     logits = logits.to(dtype)
     options = dict(softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss)
     pytorch_loss, lse, grad = _reference(logits, target, w, **options)
+    transform = LogitTransform(scale=LOGIT_SCALE, softcap=softcap)
+    terms = LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab, class_weight=w)
     # The rows where F.cross_entropy's forward computes 0 * -inf in its smoothing term (softcap makes -inf
     # finite), and what it means: the same formula with those terms 0 (its gradient, finite, already is this
     # loss's gradient)
@@ -198,13 +204,11 @@ def test_class_weights_with_neg_inf_logits(dtype, softcap, label_smoothing, z_lo
     grad_tol = 1e-5 if dtype == torch.float32 else 8e-3
     for losses_fn, grad_fn in ((row_losses, grad_logits), (torch_backend.row_losses, torch_backend.grad_logits)):
         got_loss, got_lse = torch.full((2, 8), 123.0).unbind(0)
-        losses_fn(logits, target, got_loss, got_lse, logit_scale=LOGIT_SCALE, vocab_size=vocab, class_weight=w,
-                  **options)
+        losses_fn(logits, target, got_loss, got_lse, transform=transform, terms=terms)
         _assert_matches(got_loss, loss, 1e-5, (losses_fn.__module__, "loss"))
         _assert_matches(got_lse, lse, 1e-5, (losses_fn.__module__, "lse"))
         got_grad = torch.full_like(logits, 123.0)
-        grad_fn(logits, got_grad, target, got_lse, grad_scale=1.0, row_scale=None, logit_scale=LOGIT_SCALE,
-                vocab_size=vocab, class_weight=w, **options)
+        grad_fn(logits, got_grad, target, got_lse, grad_scale=1.0, row_scale=None, transform=transform, terms=terms)
         _assert_matches(got_grad, grad, grad_tol, (grad_fn.__module__, "grad"))
 
 
@@ -213,11 +217,11 @@ def test_launchers_refuse_class_weights_they_cannot_read():
     target = torch.randint(0, 50, (3,))
     out = torch.empty(2, 3)
     for bad in (torch.rand(49), torch.rand(50, dtype=torch.float64), torch.rand(100)[::2]):
+        terms = LossTerms(label_smoothing=0.1, vocab_size=50, class_weight=bad)
         with pytest.raises(ValueError, match="class_weight"):
-            row_losses(logits, target, out[0], out[1], logit_scale=1.0, softcap=None, label_smoothing=0.1,
-                       z_loss=0.0, vocab_size=50, class_weight=bad)
+            row_losses(logits, target, out[0], out[1], transform=LogitTransform(), terms=terms)
         with pytest.raises(ValueError, match="class_weight"):
             grad_logits(logits, torch.empty_like(logits), target, out[1], grad_scale=1.0, row_scale=None,
-                        logit_scale=1.0, softcap=None, label_smoothing=0.1, vocab_size=50, z_loss=0.0, class_weight=bad)
+                        transform=LogitTransform(), terms=terms)
         with pytest.raises(ValueError, match="class_weight"):
-            row_stats(logits, target, logit_scale=1.0, softcap=None, need_sum=True, class_weight=bad)
+            row_stats(logits, target, transform=LogitTransform(), terms=terms)

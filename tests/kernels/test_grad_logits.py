@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from fused_lm_loss import torch_backend
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
 
 from ..reference import rel_err
 
@@ -44,11 +46,8 @@ def test_grad_logits_against_float64(dtype, softcap, per_row):
             lse,
             grad_scale=3.0,
             row_scale=row_scale if per_row else None,
-            logit_scale=options["logit_scale"],
-            softcap=softcap,
-            label_smoothing=options["smoothing"],
-            vocab_size=vocab,
-            z_loss=options["z_loss"],
+            transform=LogitTransform(scale=options["logit_scale"], softcap=softcap),
+            terms=LossTerms(label_smoothing=options["smoothing"], z_loss=options["z_loss"], vocab_size=vocab),
         )
         tol = 1e-5 if dtype == torch.float32 else 8e-3
         assert torch.isfinite(out).all(), impl.__module__
@@ -63,7 +62,7 @@ def test_grad_logits_in_place_and_target_elsewhere():
     softmax = torch.softmax(logits, 1)
     expected = torch.empty_like(logits)
     kwargs = dict(
-        grad_scale=0.5, row_scale=None, logit_scale=1.0, softcap=None, label_smoothing=0.0, vocab_size=100, z_loss=0.0
+        grad_scale=0.5, row_scale=None, transform=LogitTransform(), terms=LossTerms(label_smoothing=0.0, vocab_size=100)
     )
     torch_backend.grad_logits(logits, expected, target, lse, **kwargs)
     grad_logits(logits, logits, target, lse, **kwargs)
@@ -78,7 +77,7 @@ def test_split_output_carries_the_rounding_residual(dtype):
     logits = torch.randn(6, 1000) * 4  # fp32 logits, as with logits_dtype=torch.float32
     target = torch.randint(0, 1000, (6,))
     lse = torch.logsumexp(logits, 1)
-    options = dict(logit_scale=1.0, softcap=None, label_smoothing=0.1, vocab_size=1000, z_loss=0.0)
+    options = dict(transform=LogitTransform(), terms=LossTerms(label_smoothing=0.1, vocab_size=1000))
     exact = torch.empty_like(logits)
     torch_backend.grad_logits(logits, exact, target, lse, grad_scale=1.0, row_scale=None, **options)
     hi, lo = torch.empty(6, 1000, dtype=dtype), torch.empty(6, 1000, dtype=dtype)

@@ -2,6 +2,9 @@
 import pytest
 import torch
 
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
+
 from ..conftest import TEST_DEVICE, requires_triton
 from ..reference import rel_err
 
@@ -46,10 +49,11 @@ def test_partials_merge_to_the_row_statistics(dtype, logits_fp32, softcap, logit
 
     partial = matmul_stats.matmul_partials(
         hidden, weight, bias, target, logits_dtype=torch.float32 if logits_fp32 else dtype,
-        logit_scale=logit_scale, softcap=softcap, need_sum=need_sum,
+        transform=LogitTransform(scale=logit_scale, softcap=softcap), need_sum=need_sum,
     )
     assert partial.shape == (4, 3, rows)
-    got = merge_partials(partial, need_sum=need_sum)
+    # the merge sums the partials' logit sums when the terms smooth (need_sum asked the kernel to write them)
+    got = merge_partials(partial, terms=LossTerms(label_smoothing=0.1 if need_sum else 0.0, vocab_size=vocab))
     # fp32 accumulation in another order than float64: a rounded logit may land one ulp away
     tol = 1e-5 if logits_fp32 else 2e-3
     for name, have, want in zip(("max", "sumexp", "target", "sum"), got, expected):
@@ -59,8 +63,8 @@ def test_partials_merge_to_the_row_statistics(dtype, logits_fp32, softcap, logit
         assert not got[3].any()  # no sum asked for: the merge leaves it 0
 
     loss, lse = torch.full((2, rows), float("nan")).unbind(0)
-    merge_partials(partial, need_sum=need_sum, loss_out=loss, lse_out=lse, label_smoothing=0.1 if need_sum else 0.0,
-                   z_loss=1e-3, vocab_size=vocab)
+    merge_partials(partial, loss_out=loss, lse_out=lse,
+                   terms=LossTerms(label_smoothing=0.1 if need_sum else 0.0, z_loss=1e-3, vocab_size=vocab))
     expected_lse = torch.logsumexp(z, 1)
     smoothing = 0.1 if need_sum else 0.0
     expected_loss = expected_lse - (1 - smoothing) * expected[2] - smoothing / vocab * z.sum(1) + 1e-3 * expected_lse**2

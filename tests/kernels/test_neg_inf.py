@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fused_lm_loss import torch_backend
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
 
 from ..conftest import interpreter_numpy_warnings, requires_triton
 
@@ -80,13 +82,15 @@ def test_losses_and_gradient_with_neg_inf_logits(dtype, softcap, label_smoothing
         assert torch.isnan(loss[5]) and torch.isnan(grad[5]).all() and torch.isfinite(grad[4]).all()
         assert torch.isinf(loss[4]) if label_smoothing < 1 else torch.isnan(loss[4])  # 0 * inf
     grad_tol = 1e-5 if dtype == torch.float32 else 8e-3  # G is stored in the logits dtype
+    new_options = dict(transform=LogitTransform(scale=0.7, softcap=softcap),
+                       terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab))
     for losses_fn, grad_fn in ((row_losses, grad_logits), (torch_backend.row_losses, torch_backend.grad_logits)):
         got_loss, got_lse = torch.full((2, 9), 123.0).unbind(0)
-        losses_fn(logits, target, got_loss, got_lse, vocab_size=vocab, **options)
+        losses_fn(logits, target, got_loss, got_lse, **new_options)
         _assert_matches(got_loss, loss, 1e-5, (losses_fn.__module__, "loss"))
         _assert_matches(got_lse, lse, 1e-5, (losses_fn.__module__, "lse"))
         got_grad = torch.full_like(logits, 123.0)
-        grad_fn(logits, got_grad, target, got_lse, grad_scale=1.0, row_scale=None, vocab_size=vocab, **options)
+        grad_fn(logits, got_grad, target, got_lse, grad_scale=1.0, row_scale=None, **new_options)
         _assert_matches(got_grad, grad, grad_tol, (grad_fn.__module__, "grad"))
 
 
@@ -105,11 +109,13 @@ def test_vocab_shard_of_neg_inf_merges_as_nothing(softcap, monkeypatch):
     z64 = logits.double() * 0.7
     if softcap is not None:
         z64 = softcap * torch.tanh(z64 / softcap)
+    transform = LogitTransform(scale=0.7, softcap=softcap)
+    terms = LossTerms(label_smoothing=0.1, vocab_size=vocab)  # smoothing: row_stats computes the logit sum
     for impl in (row_stats, torch_backend.row_stats):
         parts = []
         for start, end in shards:
             local = torch.where((target >= start) & (target < end), target - start, -1)
-            parts.append(impl(logits[:, start:end].contiguous(), local, logit_scale=0.7, softcap=softcap, need_sum=True))
+            parts.append(impl(logits[:, start:end].contiguous(), local, transform=transform, terms=terms))
         if softcap is None:
             m, s, t, total = parts[1]
             for row in (0, 1, 3, 5, 7):
@@ -140,8 +146,7 @@ def test_merge_of_neg_inf_segments_across_segment_blocks(monkeypatch):
     loss, lse, _ = _expected(logits, target, logit_scale=1.0, softcap=None, label_smoothing=0.0, z_loss=0.0)
     for impl in (row_losses, torch_backend.row_losses):
         got_loss, got_lse = torch.full((2, 4), 123.0).unbind(0)
-        impl(logits, target, got_loss, got_lse, logit_scale=1.0, softcap=None, label_smoothing=0.0, z_loss=0.0,
-             vocab_size=vocab)
+        impl(logits, target, got_loss, got_lse, transform=LogitTransform(), terms=LossTerms(vocab_size=vocab))
         _assert_matches(got_loss, loss, 1e-6, (impl.__module__, "loss"))
         _assert_matches(got_lse, lse, 1e-6, (impl.__module__, "lse"))
 
@@ -176,10 +181,10 @@ def test_matmul_partials_with_neg_inf_bias(pattern, softcap):
     options = dict(logit_scale=0.9, softcap=softcap, label_smoothing=0.1, z_loss=1e-3)
     loss, lse, _ = _expected(x, target, **options)
     partial = matmul_stats.matmul_partials(hidden, weight, bias, target, logits_dtype=dtype,
-                                           logit_scale=0.9, softcap=softcap, need_sum=True)
+                                           transform=LogitTransform(scale=0.9, softcap=softcap), need_sum=True)
     got_loss, got_lse = torch.full((2, rows), 123.0).unbind(0)
-    merge_partials(partial, need_sum=True, loss_out=got_loss, lse_out=got_lse, label_smoothing=0.1, z_loss=1e-3,
-                   vocab_size=vocab)
+    merge_partials(partial, loss_out=got_loss, lse_out=got_lse,
+                   terms=LossTerms(label_smoothing=0.1, z_loss=1e-3, vocab_size=vocab))
     # fp32 accumulation in another order than float64: a rounded logit may land one ulp away (as test_matmul_stats)
     _assert_matches(got_loss, loss, 2e-3, "loss")
     _assert_matches(got_lse, lse, 2e-3, "lse")

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from fused_lm_loss import torch_backend
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
 
 from ..reference import rel_err
 
@@ -40,8 +42,10 @@ def test_row_stats_against_float64(dtype, vocab, softcap, segment_cols, monkeypa
         "target": torch.where(target >= 0, z.gather(1, target.clamp(min=0)[:, None]).squeeze(1), 0.0),
         "sum": z.sum(1),
     }
+    transform = LogitTransform(scale=logit_scale, softcap=softcap)
+    terms = LossTerms(label_smoothing=0.1, vocab_size=vocab)  # smoothing: the logit sum is computed
     for impl in (row_stats, torch_backend.row_stats):
-        got = impl(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=True)
+        got = impl(logits, target, transform=transform, terms=terms)
         for (name, want), have in zip(expected.items(), got):
             assert have.dtype == torch.float32
             assert rel_err(have, want) < 1e-5, (impl.__module__, name)
@@ -52,8 +56,8 @@ def test_row_stats_respects_row_stride():
     buffer = torch.randn(6, 64) * 3
     view = buffer[:, :50]
     target = torch.randint(0, 50, (6,))
-    got = row_stats(view, target, logit_scale=1.0, softcap=None, need_sum=False)
-    want = torch_backend.row_stats(view.contiguous(), target, logit_scale=1.0, softcap=None, need_sum=False)
+    got = row_stats(view, target, transform=LogitTransform(), terms=LossTerms())
+    want = torch_backend.row_stats(view.contiguous(), target, transform=LogitTransform(), terms=LossTerms())
     for a, b in zip(got[:3], want[:3]):
         assert rel_err(a, b) < 1e-6
 
@@ -87,8 +91,8 @@ def test_row_losses_against_float64(dtype, softcap, label_smoothing, z_loss, seg
     expected, lse = _row_losses_float64(z, target, label_smoothing, z_loss)
     for impl in (row_losses, torch_backend.row_losses):
         loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
-        impl(logits, target, loss, lse_out, logit_scale=logit_scale, softcap=softcap,
-             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+        impl(logits, target, loss, lse_out, transform=LogitTransform(scale=logit_scale, softcap=softcap),
+             terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab))
         assert rel_err(loss, expected) < 1e-5, impl.__module__
         assert rel_err(lse_out, lse) < 1e-6, impl.__module__
 
@@ -108,7 +112,7 @@ def test_merge_over_more_segments_than_one_block(monkeypatch):
     z = softcap * torch.tanh(logits.double() / softcap)
     expected, lse = _row_losses_float64(z, target, label_smoothing, z_loss)
     loss, lse_out = torch.full((2, rows), float("nan")).unbind(0)
-    row_losses(logits, target, loss, lse_out, logit_scale=1.0, softcap=softcap,
-               label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+    row_losses(logits, target, loss, lse_out, transform=LogitTransform(softcap=softcap),
+               terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab))
     assert rel_err(loss, expected) < 1e-5
     assert rel_err(lse_out, lse) < 1e-6

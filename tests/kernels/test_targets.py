@@ -3,6 +3,9 @@ buffer): another dtype, another shape or length, a non-contiguous view. Checked 
 import pytest
 import torch
 
+from fused_lm_loss.loss_terms import LossTerms
+from fused_lm_loss.transform import LogitTransform
+
 from ..conftest import requires_triton
 
 pytestmark = requires_triton
@@ -29,21 +32,22 @@ def _bad_targets():
 def _launchers():
     logits = torch.randn(ROWS, VOCAB)
     loss, lse = torch.empty(ROWS), torch.zeros(ROWS)
-    losses = dict(logit_scale=1.0, softcap=None, label_smoothing=0.0, z_loss=0.0, vocab_size=VOCAB)
-    yield "row_stats", lambda t: row_stats(logits, t, logit_scale=1.0, softcap=None, need_sum=False)
+    transform = LogitTransform()
+    losses = dict(transform=transform, terms=LossTerms(vocab_size=VOCAB))
+    yield "row_stats", lambda t: row_stats(logits, t, **losses)
     yield "row_losses", lambda t: row_losses(logits, t, loss, lse, **losses)
     yield "grad_logits", lambda t: grad_logits(logits, torch.empty_like(logits), t, lse, grad_scale=1.0,
                                                row_scale=None, **losses)
     stats = torch.empty(3, ROWS)
     yield "token_stats", lambda t: token_stats(logits, t, stats[0], stats[1], stats[2],
-                                               torch.empty(ROWS, dtype=torch.int64), logit_scale=1.0, softcap=None)
+                                               torch.empty(ROWS, dtype=torch.int64), transform=transform)
     weights = torch.ones(ROWS)
     yield "token_grad_logits", lambda t: token_grad_logits(logits, torch.empty_like(logits), t, lse, torch.zeros(ROWS),
-                                                           weights, weights, logit_scale=1.0, softcap=None)
+                                                           weights, weights, transform=transform)
     hidden, weight = torch.randn(ROWS, 64, dtype=torch.float16), torch.randn(VOCAB, 64, dtype=torch.float16)
     if matmul_stats.supported(hidden, weight):
         yield "matmul_partials", lambda t: matmul_stats.matmul_partials(
-            hidden, weight, None, t, logits_dtype=torch.float16, logit_scale=1.0, softcap=None, need_sum=False)
+            hidden, weight, None, t, logits_dtype=torch.float16, transform=transform, need_sum=False)
 
 
 @pytest.mark.parametrize("case", list(_bad_targets()))

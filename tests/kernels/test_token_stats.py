@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fused_lm_loss import torch_backend
+from fused_lm_loss.transform import LogitTransform
 
 from ..conftest import interpreter_numpy_warnings, requires_triton
 from ..reference import rel_err
@@ -48,7 +49,7 @@ def _run_stats(impl, logits, target, *, logit_scale=LOGIT_SCALE, softcap=None, a
     rows = logits.shape[0]
     logprob, entropy, lse = torch.full((3, rows), 123.0).unbind(0)  # poisoned: every row must be written
     arg = torch.full((rows,), -7, dtype=torch.int64) if argmax else None
-    impl(logits, target, logprob, entropy, lse, arg, logit_scale=logit_scale, softcap=softcap)
+    impl(logits, target, logprob, entropy, lse, arg, transform=LogitTransform(scale=logit_scale, softcap=softcap))
     return logprob, entropy, lse, arg
 
 
@@ -250,7 +251,8 @@ def test_token_grad_logits_against_float64(dtype, vocab, softcap, which):
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # the gradient is stored in the logits dtype
     for impl in GRADS:
         out = torch.full_like(logits, float("nan"))  # poisoned: every element must be written
-        impl(logits, out, target, lse.float(), entropy.float(), a, b, logit_scale=LOGIT_SCALE, softcap=softcap)
+        impl(logits, out, target, lse.float(), entropy.float(), a, b,
+             transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap))
         assert out.dtype == dtype
         assert torch.isfinite(out).all(), impl.__module__
         if which == "none":
@@ -269,17 +271,17 @@ def test_token_grad_logits_in_place_and_strided(softcap):
     a, b = _weights(rows)
     _, entropy, lse, _, want = _float64(logits, target, a, b, softcap=softcap)
     expected = torch.empty(rows, vocab, dtype=torch.bfloat16)
+    transform = LogitTransform(scale=LOGIT_SCALE, softcap=softcap)
     torch_backend.token_grad_logits(logits.contiguous(), expected, target, lse.float(), entropy.float(), a, b,
-                                    logit_scale=LOGIT_SCALE, softcap=softcap)
+                                    transform=transform)
     before = buffer.clone()
-    token_grad_logits(logits, logits, target, lse.float(), entropy.float(), a, b, logit_scale=LOGIT_SCALE,
-                      softcap=softcap)
+    token_grad_logits(logits, logits, target, lse.float(), entropy.float(), a, b, transform=transform)
     assert torch.equal(buffer[:, :20], before[:, :20]) and torch.equal(buffer[:, 20 + vocab :], before[:, 20 + vocab :])
     assert rel_err(logits, want) < 8e-3
     assert rel_err(logits, expected) < 8e-3
     strided_out = torch.full((rows, vocab + 7), 5.0)[:, 3 : 3 + vocab]  # fp32 output of bf16 logits
     token_grad_logits(before[:, 20 : 20 + vocab], strided_out, target, lse.float(), entropy.float(), a, b,
-                      logit_scale=LOGIT_SCALE, softcap=softcap)
+                      transform=transform)
     assert rel_err(strided_out, want) < 1e-5
 
 
@@ -301,7 +303,7 @@ def test_token_grad_logits_with_neg_inf_logits(dtype, softcap, which):
     outs = []
     for impl in GRADS:
         out = torch.full_like(logits, 123.0)
-        impl(logits, out, target, lse, entropy, a, b, logit_scale=LOGIT_SCALE, softcap=softcap)
+        impl(logits, out, target, lse, entropy, a, b, transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap))
         outs.append(out)
         _assert_matches(out[finite_rows], want[finite_rows], tol, impl.__module__)
         if softcap is None:

@@ -1,4 +1,4 @@
-"""The kept-rows kernel (Triton, interpreted on CPU) and its PyTorch twin against a plain Python loop."""
+"""The select-rows kernel (Triton, interpreted on CPU) and its PyTorch twin against a plain Python loop."""
 import pytest
 import torch
 
@@ -7,8 +7,8 @@ from fused_lm_loss import torch_backend
 from ..conftest import requires_triton
 
 pytestmark = requires_triton
-from fused_lm_loss.kernels import kept_rows  # noqa: E402
-from fused_lm_loss.kernels.kept_rows import BLOCK  # noqa: E402
+from fused_lm_loss.kernels import select_rows  # noqa: E402
+from fused_lm_loss.kernels.select_rows import BLOCK  # noqa: E402
 
 
 def _expected(labels, ignore_index):
@@ -22,11 +22,11 @@ def _expected(labels, ignore_index):
 @pytest.mark.parametrize("n", [1, 37, BLOCK, 2 * BLOCK + 5])
 @pytest.mark.parametrize("ignored", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_kept_rows_against_python(n, ignored, dtype):
+def test_select_rows_against_python(n, ignored, dtype):
     labels = torch.randint(-3, 50_000, (n,), dtype=dtype)  # a few out-of-range labels: the summary must show them
     labels[torch.rand(n) < ignored] = -100
     want_positions, want_targets, want_summary = _expected(labels, -100)
-    for impl in (kept_rows, torch_backend.kept_rows):
+    for impl in (select_rows, torch_backend.select_rows):
         positions, targets, summary = impl(labels, -100)
         count = summary[0].item()
         assert summary.tolist() == want_summary, impl.__module__
@@ -34,13 +34,13 @@ def test_kept_rows_against_python(n, ignored, dtype):
         assert targets[:count].tolist() == want_targets, impl.__module__
 
 
-def test_kept_rows_strided_labels_and_other_ignore_index():
+def test_select_rows_strided_labels_and_other_ignore_index():
     """A non-contiguous view (every second label), ignore_index 0 (a class id elsewhere) and a huge one."""
     base = torch.randint(0, 7, (2 * 3000,))
     labels = base[::2]
     for ignore_index in (0, 2**40):
         want = _expected(labels, ignore_index)
-        for impl in (kept_rows, torch_backend.kept_rows):
+        for impl in (select_rows, torch_backend.select_rows):
             positions, targets, summary = impl(labels, ignore_index)
             count = summary[0].item()
             assert (positions[:count].tolist(), targets[:count].tolist(), summary.tolist()) == want, impl.__module__
@@ -48,7 +48,7 @@ def test_kept_rows_strided_labels_and_other_ignore_index():
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
 @pytest.mark.parametrize("layout", ["contiguous", "slice", "column", "broadcast_kept", "broadcast_ignored"])
-def test_kept_rows_any_integer_dtype_and_strides(dtype, layout):
+def test_select_rows_any_integer_dtype_and_strides(dtype, layout):
     """Labels of every integer dtype, as any view: a strided slice, a column of a matrix, stride 0 (expand).
     uint8 labels hold 156 = -100 mod 256: PyTorch's `labels != -100` wraps -100 into uint8 and drops them;
     the label is 156, not ignore_index, and must be kept."""
@@ -74,7 +74,7 @@ def test_kept_rows_any_integer_dtype_and_strides(dtype, layout):
     want = _expected(labels, ignore_index)
     if dtype == torch.uint8 and layout not in ("broadcast_kept", "broadcast_ignored"):
         assert 156 in want[1]  # the wrapped value is there, and kept
-    for impl in (kept_rows, torch_backend.kept_rows):
+    for impl in (select_rows, torch_backend.select_rows):
         positions, targets, summary = impl(labels, ignore_index)
         count = summary[0].item()
         assert (positions[:count].tolist(), targets[:count].tolist(), summary.tolist()) == want, impl.__module__

@@ -1,0 +1,36 @@
+"""Triton helpers of the online softmax shared by the statistics kernels (``row_stats.py``, ``token_stats.py``).
+
+A row's sum-exp is kept relative to its running maximum m. Moving it to a new maximum m' >= m multiplies it by
+exp(m - m'); a state that is all -inf (m = -inf, sum-exp 0) is taken relative to 0 instead (-inf - -inf would
+be NaN) and merges as nothing. The merge kernels fold a row's segment partials (max, sum-exp, ...) into it
+BLOCK_SEGMENTS segments at a time with ``segment_block`` and ``merge_segments``.
+"""
+import triton
+import triton.language as tl
+
+# exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS: tl.constexpr):
+    """(offsets, mask) of segments [first, first + BLOCK_SEGMENTS) x ``rows`` in a (segments, n_rows) partial."""
+    segments = first + tl.arange(0, BLOCK_SEGMENTS)
+    offsets = segments[:, None] * n_rows + rows[None, :]
+    mask = (segments[:, None] < n_segments) & row_mask[None, :]
+    return offsets, mask
+
+
+@triton.jit
+def merge_segments(row_max, row_sumexp, seg_max, seg_sumexp):
+    """Fold a (segments, rows) block of partials into the running (max, sum-exp) of each row.
+
+    Returns (max, sum-exp, shift, row_rescale, seg_rescale): the new state, its reference (the new max, 0 while
+    all -inf) and the factors exp(m - shift) that moved the old state and each segment to it, for the callers
+    that carry more sums relative to the maximum (``token_stats``)."""
+    new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
+    row_rescale = tl.exp(row_max - shift)
+    seg_rescale = tl.exp(seg_max - shift[None, :])
+    new_sumexp = row_sumexp * row_rescale + tl.sum(seg_sumexp * seg_rescale, axis=0)
+    return new_max, new_sumexp, shift, row_rescale, seg_rescale
