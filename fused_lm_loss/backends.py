@@ -23,6 +23,9 @@ from typing import Protocol
 
 import torch
 
+from .loss_terms import LossTerms
+from .transform import LogitTransform
+
 BACKENDS = ("triton", "torch")
 ENV_VAR = "FUSED_LM_LOSS_BACKEND"
 
@@ -32,58 +35,54 @@ class Backend(Protocol):
 
     Shapes: ``labels`` (n,) any integer dtype and strides; ``logits`` (rows, V) with unit column stride;
     ``target`` (rows,) contiguous int64 columns of this vocab shard (-1: the class lives on another shard);
-    statistics, losses and lse are fp32.
+    statistics, losses and lse are fp32. ``transform`` is applied to the logits before the softmax
+    (transform.py); ``terms`` are the loss's smoothing, z-loss, vocabulary size and class weights (loss_terms.py).
     """
 
     name: str
 
-    def kept_rows(self, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select_rows(self, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, targets, summary = (count, min, max)) of the labels that are not ``ignore_index``."""
 
-    def row_stats(self, logits: torch.Tensor, target: torch.Tensor, *, logit_scale: float, softcap: float | None,
-                  need_sum: bool, class_weight: torch.Tensor | None = None
+    def row_stats(self, logits: torch.Tensor, target: torch.Tensor, *, transform: LogitTransform, terms: LossTerms
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(max, sum-exp, target logit, logit sum) per row, to be merged across vocab shards; with
-        ``class_weight`` ((V,) fp32) the logit sum is weighted (sum_j w_j z_j, 0 where w_j = 0)."""
+        """(max, sum-exp, target logit, logit sum) per row, to be merged across vocab shards; the logit sum only
+        when ``terms.smooths`` (weighted by the class weights when given: sum_j w_j z_j, 0 where w_j = 0)."""
 
     def row_losses(self, logits: torch.Tensor, target: torch.Tensor, loss_out: torch.Tensor, lse_out: torch.Tensor, *,
-                   logit_scale: float, softcap: float | None, label_smoothing: float, z_loss: float,
-                   vocab_size: int, class_weight: torch.Tensor | None = None) -> None:
-        """Per-row loss and lse of a chunk that holds the whole vocabulary (class-weighted as
-        ``torch_backend.loss_from_stats`` when ``class_weight`` is given)."""
+                   transform: LogitTransform, terms: LossTerms) -> None:
+        """Per-row loss (``loss_terms.loss_from_stats``) and lse of a chunk that holds the whole vocabulary."""
 
     def grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, *,
-                    grad_scale: float, row_scale: torch.Tensor | None, logit_scale: float, softcap: float | None,
-                    label_smoothing: float, vocab_size: int, z_loss: float, out_lo: torch.Tensor | None = None,
-                    class_weight: torch.Tensor | None = None) -> None:
-        """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math; with ``out_lo`` the residual;
-        with ``class_weight`` the gradient of the class-weighted loss."""
+                    transform: LogitTransform, terms: LossTerms, grad_scale: float, row_scale: torch.Tensor | None,
+                    out_lo: torch.Tensor | None = None) -> None:
+        """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math, times ``grad_scale`` (and
+        ``row_scale`` per row); with ``out_lo`` the rounding residual."""
 
     def supports_stats_in_matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``matmul_partials`` can give a no-grad forward its statistics without a logits chunk."""
 
     def matmul_partials(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        target: torch.Tensor, *, logits_dtype: torch.dtype, logit_scale: float,
-                        softcap: float | None, need_sum: bool) -> torch.Tensor:
+                        target: torch.Tensor, *, logits_dtype: torch.dtype, transform: LogitTransform,
+                        need_sum: bool) -> torch.Tensor:
         """(4, tiles, rows) partial statistics of h @ W.T (+ b), never storing the logits."""
 
     def matmul_partial_bytes_per_row(self, vocab: int) -> int:
         """Bytes of ``matmul_partials`` output per row (chunk sizing)."""
 
-    def merge_partials(self, partial: torch.Tensor, *, need_sum: bool, loss_out: torch.Tensor | None = None,
-                       lse_out: torch.Tensor | None = None, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                       vocab_size: int = 1):
-        """Merge (4, segments, rows) partials into statistics, or into loss and lse."""
+    def merge_partials(self, partial: torch.Tensor, *, terms: LossTerms, loss_out: torch.Tensor | None = None,
+                       lse_out: torch.Tensor | None = None):
+        """Merge (4, segments, rows) partials into the four statistics, or (``loss_out``) into loss and lse."""
 
     def token_stats(self, logits: torch.Tensor, target: torch.Tensor, logprob_out: torch.Tensor,
                     entropy_out: torch.Tensor, lse_out: torch.Tensor, argmax_out: torch.Tensor | None, *,
-                    logit_scale: float, softcap: float | None) -> None:
+                    transform: LogitTransform) -> None:
         """Per row of a chunk holding the whole vocabulary (``target`` >= 0): log p(target), entropy and lse
         (fp32), and the first argmax (int64; skipped when ``argmax_out`` is None)."""
 
     def token_grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                           entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
-                          grad_entropy: torch.Tensor | None, *, logit_scale: float, softcap: float | None) -> None:
+                          grad_entropy: torch.Tensor | None, *, transform: LogitTransform) -> None:
         """d(sum a * logprob + b * entropy)/d(logits) into ``out`` (may be ``logits`` itself) for per-row weights
         a = ``grad_logprob``, b = ``grad_entropy`` (fp32, or None: that term absent); ``logits`` may be any
         columns of the vocabulary (a tile: ``lse`` / ``entropy`` are the whole row's, ``target`` -1 elsewhere)."""

@@ -1,7 +1,7 @@
 """The chunk loop: one implementation for every path (forward, recompute; hidden states or given logits;
 the loss or per-token outputs).
 
-Per chunk of kept token rows (those whose label is not ``ignore_index``)::
+Per chunk of selected token rows (those whose label is not ``ignore_index``)::
 
     logits  = head.logits(chunk)              LinearHead: h_chunk @ W.T (+ b) (+ u @ B.T), cuBLAS;
                                               GivenLogits: the rows of logits that already exist
@@ -14,11 +14,11 @@ Per chunk of kept token rows (those whose label is not ``ignore_index``)::
 
 so the N x V logits never exist at once. A recompute in backward, which knows each row's lse, may also tile
 the vocabulary (``plan.tiles()``): per (rows, columns) tile the same steps, dX summed over the tiles and each
-tile's slice of dW written once when all rows fit one chunk (plan.vocab_tiling). Gradients are produced in forward (the loss: scaled by
-``plan.grad_scale``, times ``row_scale`` per row when recomputing for a per-token grad_output; per-token
-outputs: one component per output, weighted per row in backward); ``ops.py`` wraps this in PyTorch
-operators and applies ``grad_output`` in backward. Every decision (chunk rows, dtypes, backend, scale,
-components) comes from the ``Plan`` (``plan.py``).
+tile's slice of dW written once when all rows fit one chunk (plan.vocab_tiling). Gradients are produced in
+forward (the loss: scaled by ``plan.grad_scale``, times ``row_scale`` per row when recomputing for a per-token
+grad_output; per-token outputs: one component per output, weighted per row in backward); ``ops.py`` and
+``token_ops.py`` wrap this in PyTorch operators and apply ``grad_output`` in backward. Every decision (chunk
+rows, dtypes, backend, transform, loss terms, scale, components) comes from the ``Plan`` (``plan.py``).
 
 Without gradients and on a GPU with TMA, nothing but the loss statistics needs the logits: the logits matmul
 reduces each output tile to them in its epilogue (kernels/matmul_stats.py) and no logits chunk exists
@@ -35,7 +35,7 @@ Buffers and their precision:
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
-  dX            (N, H)                  ``plan.grad_input_dtype``: fp32 by default (kept until backward
+  dX            (N, H)                  ``plan.grad_input_dtype``: fp32 by default (saved until backward
                                         rounds it once; summed there over vocabulary tiles and vocab-parallel
                                         shards); the hidden dtype on CUDA with torch < 2.8
   dW            (V_shard, H)            ``plan.accum_dtype`` (fp32 default): summed over chunks, so the
@@ -53,14 +53,14 @@ import torch
 
 from . import distributed
 from .backends import Backend
+from .loss_terms import loss_from_stats
 from .plan import HAS_OUT_DTYPE_MM, Plan
-from .torch_backend import loss_from_stats
 
 _side_streams: dict = {}
 
 
 def label_ids(labels: torch.Tensor) -> torch.Tensor:
-    """The one place labels are normalized: 1-d int64, any strides kept (a slice, a broadcast).
+    """The one place labels are normalized: 1-d int64, in any strides (a slice, a broadcast).
 
     Every integer dtype is accepted. Narrower ones are widened first, since torch compares e.g. a uint8
     tensor with a negative ``ignore_index`` modulo 256 (label 156 would count as -100).
@@ -71,11 +71,11 @@ def label_ids(labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Rows:
-    """The token rows that carry a loss, after dropping ignored labels."""
+    """The token rows that carry a loss (their label is not ``ignore_index``), selected once per call."""
 
-    index: torch.Tensor | None  # positions in the flattened batch; None when no label is ignored
+    index: torch.Tensor | None  # their positions in the flattened batch; None when no label is ignored
     target: torch.Tensor  # contiguous int64: column in this shard's weight, -1 when the class is elsewhere
-    count: int  # number of non-ignored tokens
+    count: int  # number of selected rows
     total: int  # number of tokens, ignored ones included
 
     def gather(self, rows_tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -83,19 +83,37 @@ class Rows:
             return rows_tensor[start:end]
         return rows_tensor.index_select(0, self.index[start:end])
 
+    def take(self, per_token: torch.Tensor) -> torch.Tensor:
+        """(total,) per-token values -> (count,) contiguous values of the selected rows."""
+        return (per_token if self.index is None else per_token[self.index]).contiguous()
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(count,) values of the selected rows -> (total,), zero at ignored positions."""
+        if self.index is None:
+            return values
+        return values.new_zeros(self.total).index_copy_(0, self.index, values)
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """(total,) bool: True where the row carries a loss."""
+        if self.index is None:
+            return torch.ones(self.total, dtype=torch.bool, device=device)
+        return torch.zeros(self.total, dtype=torch.bool, device=device).index_fill_(0, self.index, True)
+
 
 def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shard, backend: Backend) -> Rows:
     """Drop ignored tokens and check every other label is a class id.
 
-    ``labels`` comes from ``label_ids`` (1-d int64, any strides: a slice, a broadcast); the kept labels
-    come back as a new contiguous int64 tensor, which is all that any later kernel sees. One host sync (the row count
-    sizes the chunks; a bad label must raise here, not in a kernel), after one kernel that finds the kept
-    rows, their labels and the label range (kernels/kept_rows.py).
+    ``labels`` comes from ``label_ids`` (1-d int64, any strides: a slice, a broadcast); the selected labels
+    come back as a new contiguous int64 tensor, which is all that any later kernel sees. One host sync (the row
+    count sizes the chunks; a bad label must raise here, not in a kernel), after one kernel that finds the rows,
+    their labels and the label range (kernels/select_rows.py). With vocab parallelism the ranks then compare
+    their layouts and label counts (``Shard.check_layout``), before any of them raises for a label.
     """
     if labels.numel() == 0:
         return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0, total=0)
-    positions, targets, summary = backend.kept_rows(labels, ignore_index)
+    positions, targets, summary = backend.select_rows(labels, ignore_index)
     count, lowest, highest = summary.tolist()
+    shard.check_layout(labels.numel(), count, labels.device)
     if lowest < 0 or highest >= shard.total:
         out_of_range = (labels != ignore_index) & ((labels < 0) | (labels >= shard.total))
         examples = labels[out_of_range][:5].tolist()
@@ -159,27 +177,21 @@ class LossStep:
         if self.argmax is not None:  # token accuracy: a second read of the chunk, only when asked for
             scratch = torch.empty((3, end - start), dtype=torch.float32, device=logits.device)
             self.plan.backend.token_stats(
-                logits, target, scratch[0], scratch[1], scratch[2], self.argmax[start:end],
-                logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+                logits, target, scratch[0], scratch[1], scratch[2], self.argmax[start:end], transform=self.plan.transform
             )
 
     def _grad(self, logits, out, target, start, end, out_lo) -> None:
-        self.plan.backend.grad_logits(
-            logits,
-            out,
-            target,
-            self.lse[start:end],
-            grad_scale=self.plan.grad_scale,
-            row_scale=None if self.row_scale is None else self.row_scale[start:end],
+        plan = self.plan
+        plan.backend.grad_logits(
+            logits, out, target, self.lse[start:end], transform=plan.transform, terms=plan.grad_terms,
+            grad_scale=plan.grad_scale, row_scale=None if self.row_scale is None else self.row_scale[start:end],
             out_lo=out_lo,
-            **self.plan.grad_terms,
         )
 
     def from_matmul(self, plan: Plan, head: "LinearHead", rows: Rows) -> "LossStep":
         """Loss and lse without gradients: the logits matmul reduces its tiles to row statistics in its
         epilogue (kernels/matmul_stats.py), so no logits exist; chunks only bound the fp32 partials."""
         backend, shard = plan.backend, plan.shard
-        merge = dict(label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=shard.total)
         for start, end in plan.chunks():
             partial = backend.matmul_partials(
                 rows.gather(head.hidden, start, end),
@@ -187,16 +199,15 @@ class LossStep:
                 head.bias,
                 rows.target[start:end],
                 logits_dtype=plan.logits_dtype,
-                logit_scale=plan.logit_scale,
-                softcap=plan.softcap,
-                need_sum=plan.need_sum,
+                transform=plan.transform,
+                need_sum=plan.terms.smooths,
             )
             loss, lse = self.loss[start:end], self.lse[start:end]
             if shard.group is None:
-                backend.merge_partials(partial, need_sum=plan.need_sum, loss_out=loss, lse_out=lse, **merge)
+                backend.merge_partials(partial, terms=plan.terms, loss_out=loss, lse_out=lse)
             else:  # vocab-parallel: merge the shards' statistics first
-                stats = shard.merge_stats(*backend.merge_partials(partial, need_sum=plan.need_sum))
-                loss[:], lse[:] = loss_from_stats(*stats, **merge)
+                stats = shard.merge_stats(*backend.merge_partials(partial, terms=plan.terms))
+                loss[:], lse[:] = loss_from_stats(*stats, plan.terms)
         return self
 
 
@@ -207,7 +218,7 @@ class TokenStep:
     In forward (``weights=None``) it computes the outputs and, for each name in ``components`` ("logprob",
     "entropy"), one gradient component with one weight for every row (``logprob_weight`` for the logprob,
     1 for the entropy), which backward weights per row. In backward
-    (``weights=(a, b)`` per kept row, either may be None; the forward's ``lse`` and ``entropy`` given) it skips
+    (``weights=(a, b)`` per selected row, either may be None; the forward's ``lse`` and ``entropy`` given) it skips
     the outputs and makes the one gradient of the weighted sum.
     """
 
@@ -228,8 +239,7 @@ class TokenStep:
         if self.compute:
             self.plan.backend.token_stats(
                 logits, target, self.logprob[start:end], self.entropy[start:end], self.lse[start:end],
-                None if self.argmax is None else self.argmax[start:end],
-                logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+                None if self.argmax is None else self.argmax[start:end], transform=self.plan.transform,
             )
 
     def _unit_grad(self, name: str):
@@ -247,40 +257,54 @@ class TokenStep:
     def _token_grad(self, logits, out, target, start, end, grad_logprob, grad_entropy) -> None:
         self.plan.backend.token_grad_logits(
             logits, out, target, self.lse[start:end], self.entropy[start:end], grad_logprob, grad_entropy,
-            logit_scale=self.plan.logit_scale, softcap=self.plan.softcap,
+            transform=self.plan.transform,
         )
 
 
 def _chunk_losses(plan: Plan, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor) -> None:
     """Per-row loss and lse of one chunk, into ``loss`` and ``lse``."""
     if plan.shard.group is None:  # the chunk holds the whole vocabulary
-        plan.backend.row_losses(logits, target, loss, lse, **plan.loss_terms)
+        plan.backend.row_losses(logits, target, loss, lse, transform=plan.transform, terms=plan.terms)
         return
-    stats = plan.backend.row_stats(  # (class weights are refused with vocab parallelism: options.py)
-        logits, target, logit_scale=plan.logit_scale, softcap=plan.softcap, need_sum=plan.need_sum
-    )
-    loss[:], lse[:] = loss_from_stats(  # vocab-parallel: merge the shards' statistics first
-        *plan.shard.merge_stats(*stats), label_smoothing=plan.label_smoothing, z_loss=plan.z_loss,
-        vocab_size=plan.shard.total,
-    )
+    # vocab-parallel: merge the shards' statistics first (class weights are refused there: options.CONFLICTS)
+    stats = plan.backend.row_stats(logits, target, transform=plan.transform, terms=plan.terms)
+    loss[:], lse[:] = loss_from_stats(*plan.shard.merge_stats(*stats), plan.terms)
+
+
+@dataclass(frozen=True)
+class KeptLogits:
+    """The logits kept from forward for backward (``keep_logits``): (N, V_shard) in the logits dtype, the selected
+    rows first. Forward writes each chunk's logits there ("store"); backward reads its tiles ("reuse")."""
+
+    tensor: torch.Tensor
+    mode: str  # "store" | "reuse"
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, mode: str) -> "KeptLogits | None":
+        """The kept logits in ``tensor`` for ``mode``, or None where the operator keeps none (a (0,) tensor)."""
+        return cls(tensor, mode) if tensor.numel() else None
 
 
 class LinearHead:
-    """logits = h @ W.T (+ b) (+ u @ B.T) of the kept rows; gradients for hidden, weight, bias, u and B.
+    """logits = h @ W.T (+ b) (+ u @ B.T) of the selected rows; gradients for hidden, weight, bias, u and B.
 
     ``hidden`` (N, H), ``weight`` (V_shard, H), ``low_rank = (u (N, r), B (V_shard, r))`` or None: a LoRA
     adapter on lm_head. ``finish`` returns, per gradient component of the step, (d hidden, d weight, d bias,
     d u, d B), None where not needed.
     """
 
-    def __init__(self, hidden, weight, bias, low_rank, kept_logits: torch.Tensor | None = None) -> None:
+    def __init__(self, hidden, weight, bias, low_rank, kept_logits: KeptLogits | None = None) -> None:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.u, self.b = low_rank if low_rank is not None else (None, None)
-        self.kept_logits = kept_logits  # (>= kept rows, V_shard): the plan's kept_logits says write or read
+        self.kept_logits = kept_logits
         self.device, self.matmul_dtype = hidden.device, hidden.dtype
 
     # what make_plan asks of a head
-    transformed = False  # the logits are raw matmul outputs: the plan applies softcap / logit scale
+    transformed = False  # the logits are raw matmul outputs: the plan applies the whole logit transform
+
+    @property
+    def kept_logits_mode(self) -> str | None:
+        return None if self.kept_logits is None else self.kept_logits.mode
 
     @property
     def vocab_weight(self) -> torch.Tensor:
@@ -292,7 +316,7 @@ class LinearHead:
         return (self.hidden, self.weight) if self.u is None else None
 
     def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
-        """Per-chunk copies of the kept rows: h (and u) gathered, dX (and du) rows before their scatter."""
+        """Per-chunk copies of the selected rows: h (and u) gathered, dX (and du) rows before their scatter."""
         if not has_index:
             return 0
         rank = 0 if self.u is None else self.u.shape[1]
@@ -311,15 +335,15 @@ class LinearHead:
         self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
 
     def _grad_set(self) -> dict:
-        """One component's gradients: dX / du rows (kept wide), dW / dB accumulators, db in fp32."""
+        """One component's gradients: dX / du rows (saved wide), dW / dB accumulators, db in fp32."""
         plan, rows, needs, vocab = self.plan, self.rows, self.plan.needs, self.weight.shape[0]
         return {
             "hidden": _row_grad_buffer(self.hidden, rows, plan.grad_input_dtype) if needs.hidden else None,
             "weight": _Accumulator(self.weight.shape, plan.accum_dtype, self.device) if needs.weight else None,
             "bias": torch.zeros(vocab, dtype=torch.float32, device=self.device) if needs.bias else None,
             "u": _row_grad_buffer(self.u, rows, plan.grad_input_dtype) if needs.low_rank_input else None,
-            # B is small (V x r): summed and kept in the wide dtype, so that backward rounds it once
-            "b": _Accumulator(self.b.shape, plan.kept_dtype, self.device) if needs.low_rank_weight else None,
+            # B is small (V x r): summed and saved in the wide dtype, so that backward rounds it once
+            "b": _Accumulator(self.b.shape, plan.saved_dtype, self.device) if needs.low_rank_weight else None,
         }
 
     def logits(self, start: int, end: int, cols: tuple[int, int] | None = None) -> torch.Tensor:
@@ -330,9 +354,9 @@ class LinearHead:
             self.u_rows = None if self.u is None else self.rows.gather(self.u, start, end)
         tile = slice(first, last)
         if self.plan.kept_logits == "reuse":  # kept from forward (the rows of this tile: a strided view)
-            return self.kept_logits[start:end, tile]
+            return self.kept_logits.tensor[start:end, tile]
         if self.plan.kept_logits == "store":  # all columns: contiguous rows of the kept tensor
-            logits = self.kept_logits[start:end]
+            logits = self.kept_logits.tensor[start:end]
         else:
             logits = _view(self.buffers.logits, end - start, last - first)
         _logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
@@ -397,9 +421,9 @@ class LinearHead:
             results.append((
                 grad_hidden,
                 None if out["weight"] is None else out["weight"].result(plan.weight_grad_dtype),
-                None if out["bias"] is None else out["bias"].to(plan.kept_dtype),
+                None if out["bias"] is None else out["bias"].to(plan.saved_dtype),
                 grad_u,
-                None if out["b"] is None else out["b"].result(plan.kept_dtype),
+                None if out["b"] is None else out["b"].result(plan.saved_dtype),
             ))
         self.sets = None
         return tuple(results) or ((None,) * 5,)  # no gradient asked for
@@ -413,9 +437,11 @@ class GivenLogits:
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.given, self.device, self.matmul_dtype = logits, logits.device, logits.dtype
-        self.vocab_weight = self.stats_operands = None
+        self.vocab_weight = self.stats_operands = self.kept_logits_mode = None
 
-    transformed = True  # the logits already carry the model's softcap / scale; their dtype is the logits dtype
+    # the logits already carry the model's softcap / scale (the plan applies only the temperature); their dtype
+    # is the logits dtype
+    transformed = True
 
     def row_bytes(self, has_index: bool, needs, grad_input_dtype: torch.dtype) -> int:
         return 0  # the chunk buffer (gathered rows, then G in place) is the logits buffer of the plan

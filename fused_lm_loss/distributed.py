@@ -64,6 +64,7 @@ class Shard:
     world_size: int = 1
     merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
     reduce_grad_input: bool = True  # sum the partial dX over the group (else each rank keeps its partial)
+    hidden_size: int = 0
 
     @classmethod
     def whole(cls, vocab: int) -> "Shard":
@@ -71,8 +72,8 @@ class Shard:
         return cls(start=0, size=vocab, total=vocab)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, labels: torch.Tensor, opts: LossOptions) -> "Shard":
-        """This rank's shard; with a process group, also check the layout across ranks (a collective)."""
+    def of(cls, weight: torch.Tensor, opts: LossOptions) -> "Shard":
+        """This rank's shard of the vocabulary (``check_layout`` then compares it across ranks)."""
         size = weight.shape[0]
         if opts.process_group is None:
             return cls.whole(size)
@@ -86,24 +87,24 @@ class Shard:
             start, total = rank * size, size * world
         else:
             start, total = opts.vocab_start, opts.vocab_size
-        shard = cls(
-            start, size, total, group, world,
-            merge_logit_sum=opts.label_smoothing > 0, reduce_grad_input=opts.reduce_grad_input,
+        return cls(
+            start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0,
+            reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1],
         )
-        shard._check_layout(weight, labels, opts.ignore_index)
-        return shard
 
-    def _check_layout(self, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> None:
-        """All-gather each rank's (start, size, total, hidden size, label counts); raise on every rank alike.
+    def check_layout(self, n_labels: int, n_selected: int, device: torch.device) -> None:
+        """With a process group: all-gather each rank's (start, size, total, hidden size, label counts) and raise
+        on every rank alike (a collective; nothing without a group).
 
         Everything later (the number of chunks, hence of collectives) follows from these numbers, so
         once they agree the ranks cannot fall out of step.
         """
+        if self.group is None:
+            return
         import torch.distributed as dist
 
-        known = torch.tensor([self.start, self.size, self.total, weight.shape[1], labels.numel()], dtype=torch.int64)
-        n_valid = (labels != ignore_index).sum().reshape(1).to(torch.int64)
-        mine = torch.cat([known.to(n_valid.device), n_valid])
+        mine = torch.tensor([self.start, self.size, self.total, self.hidden_size, n_labels, n_selected],
+                            dtype=torch.int64).to(device)  # (on the labels' device, as the group's backend needs)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         layout = [t.tolist() for t in gathered]  # one host sync
@@ -126,16 +127,6 @@ class Shard:
                 "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored) "
                 f"counts per rank: {[(row[4], row[5]) for row in layout]}"
             )
-
-    @staticmethod
-    def chunk_vocab_of(weight: torch.Tensor, opts: LossOptions) -> int:
-        """``Shard.of(weight, ..., opts).chunk_vocab`` without the collective (for fake implementations)."""
-        if opts.process_group is None:
-            return weight.shape[0]
-        import torch.distributed as dist
-
-        world = dist.get_world_size(opts.process_group)
-        return math.ceil((opts.vocab_size or weight.shape[0] * world) / world)
 
     @property
     def chunk_vocab(self) -> int:

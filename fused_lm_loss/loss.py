@@ -1,20 +1,20 @@
 """Public API: ``FusedLMLoss`` (the nn.Module) and ``fused_linear_cross_entropy`` (the function).
 
-Both validate their tensors here (a clear ``ValueError`` before any kernel runs), apply autocast as
-``nn.Linear`` would, resolve the gradient scale, and call the ``fused_lm_loss::linear_cross_entropy``
-operator (ops.py). ``logits_loss`` is the same on logits that already exist.
+Both check their tensors (``inputs.py``: a clear error before any kernel runs), apply autocast as ``nn.Linear``
+would, resolve the gradient scale, and call the ``fused_lm_loss::linear_cross_entropy`` operator (ops.py).
+``logits_loss`` is the same on logits that already exist.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from . import ops
-from .options import MATMUL_DTYPES, LossOptions
+from .inputs import check_logits, linear_inputs, num_items_tensor, resolve_scaling
+from .options import LossOptions, check_supported
 
 
 def lm_loss(
@@ -28,20 +28,12 @@ def lm_loss(
     scaling: float | torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The loss of ``FusedLMLoss(**opts)(hidden, weight, labels, bias, ...)``: validate, autocast, run the op."""
-    _check_tensors(hidden, weight, labels, bias)
-    if low_rank is not None:
-        _check_low_rank(low_rank, hidden, weight)
-    num_items = _num_items(num_items_in_batch, opts.reduction)
-    tensors = _matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
-    grad_mode = torch.is_grad_enabled()
-    needs = [grad_mode and t is not None and t.requires_grad for t in tensors]
-    scale, scaling = _resolve_scaling(opts, scaling)
-    if opts.class_weight is not None and num_items is not None:
-        raise ValueError("num_items_in_batch with class_weight: the mean divides by the summed weights of the targets "
-                         "(as F.cross_entropy); pass reduction='sum' and divide yourself to use another denominator")
+    """The loss of ``FusedLMLoss(**opts)(hidden, weight, labels, bias, ...)``: check, autocast, run the op."""
+    tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank)
+    num_items = num_items_tensor(num_items_in_batch, opts)
+    scale, scaling = resolve_scaling(opts, scaling)
     loss, _, z_loss, token_accuracy, *_ = ops.linear_cross_entropy(
-        *tensors, labels, num_items, opts.class_weight, scale, scaling, needs, *ops.option_args(opts)
+        *tensors, labels, num_items, scale, scaling, needs, opts=opts
     )
     if opts.return_z_loss or opts.return_token_accuracy:
         return LossOutput(loss, z_loss if opts.return_z_loss else None,
@@ -61,27 +53,16 @@ def logits_loss(
     logits: torch.Tensor, labels: torch.Tensor, opts: LossOptions, *, num_items_in_batch: Any = None
 ) -> torch.Tensor:
     """Cross-entropy of logits that already exist (already through the model's softcap / scale), with the
-    options' ``ignore_index``, label smoothing, z-loss and reduction, in chunks: no fp32 copy of the logits.
+    options' ``ignore_index``, temperature, label smoothing, z-loss and reduction, in chunks: no fp32 copy of the
+    logits.
 
     ``logits`` (..., V), ``labels`` shaped like ``logits.shape[:-1]`` (already shifted).
     """
-    if opts.process_group is not None:
-        raise ValueError("a vocab-parallel FusedLMLoss (process_group) needs hidden states, not logits")
-    if opts.class_weight is not None or opts.return_z_loss or opts.return_token_accuracy:
-        raise ValueError("class_weight, return_z_loss and return_token_accuracy need hidden states, not logits")
-    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
-        raise TypeError("logits and labels must be tensors")
-    _reject_dtensor("logits", logits)
-    if logits.dtype not in MATMUL_DTYPES or logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must be float32, bfloat16 or float16 of shape (..., V >= 1); got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    _check_labels(labels, logits.shape[:-1], logits.device)
-    num_items = _num_items(num_items_in_batch, opts.reduction)
+    check_supported(opts, "logits")
+    check_logits(logits, labels)
+    num_items = num_items_tensor(num_items_in_batch, opts)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    return ops.logits_cross_entropy(
-        logits, labels, num_items, need_grad, opts.ignore_index, opts.reduction, float(opts.label_smoothing),
-        float(opts.z_loss), opts.chunk_size,
-    )[0]
+    return ops.logits_cross_entropy(logits, labels, num_items, need_grad, opts=opts)[0]
 
 
 def fused_linear_cross_entropy(
@@ -133,7 +114,7 @@ class FusedLMLoss(nn.Module):
 
     Per token (ignored tokens contribute 0)::
 
-        z    = logit_scale * (h @ W.T + b), then softcap * tanh(z / softcap) if softcap is set
+        z    = logit_scale * (h @ W.T + b), then softcap * tanh(z / softcap) if softcap is set, then z / temperature
         loss = (1 - label_smoothing) * (lse(z) - z[y]) + label_smoothing * (lse(z) - mean(z)) + z_loss * lse(z)**2
 
     Args:
@@ -143,6 +124,8 @@ class FusedLMLoss(nn.Module):
         z_loss: coefficient of lse**2 added per token (PaLM z-loss).
         softcap: final logit softcapping (Gemma 2/3), or None.
         logit_scale: multiplies the logits before softcap (Cohere ``logit_scale``, Granite ``1 / logits_scaling``).
+        temperature: divides the (scaled, softcapped) logits before the softmax (> 0), as Liger's and TRL's fused
+            losses offer it (e.g. distillation-style training on softened targets).
         chunk_size: at most this many token rows per chunk (chunks are made equal). None: the chunk takes at
             most 240 MiB, plus, with an fp32 dW accumulator for a bf16/fp16 weight, the accumulator's memory
             (one chunk, which needs none) or the returned dW's (several chunks; dW is allocated after them).
@@ -196,6 +179,7 @@ class FusedLMLoss(nn.Module):
         z_loss: float = 0.0,
         softcap: float | None = None,
         logit_scale: float = 1.0,
+        temperature: float = 1.0,
         chunk_size: int | None = None,
         accum_dtype: torch.dtype | None = torch.float32,
         grad_scaler: Any = None,
@@ -217,6 +201,7 @@ class FusedLMLoss(nn.Module):
             z_loss=z_loss,
             softcap=softcap,
             logit_scale=logit_scale,
+            temperature=temperature,
             chunk_size=chunk_size,
             accum_dtype=accum_dtype,
             logits_dtype=logits_dtype,
@@ -265,131 +250,5 @@ class FusedLMLoss(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        defaults = LossOptions()
-        changed = [
-            f"{f.name}={getattr(self.options, f.name)!r}"
-            for f in dataclasses.fields(LossOptions)
-            if getattr(self.options, f.name) is not getattr(defaults, f.name)
-            and getattr(self.options, f.name) != getattr(defaults, f.name)
-        ]
-        return ", ".join(changed)
-
-
-def _check_tensors(hidden, weight, labels, bias) -> None:
-    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
-        _reject_dtensor(name, t)
-    if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
-        raise ValueError(
-            f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
-        )
-    if hidden.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"expected hidden (..., H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"hidden size mismatch: hidden (..., {hidden.shape[-1]}) vs weight {tuple(weight.shape)}")
-    if weight.shape[0] < 1:
-        raise ValueError("weight has no vocabulary rows")
-    _check_labels(labels, hidden.shape[:-1], hidden.device)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
-        if bias.dtype != weight.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
-    devices = {t.device for t in (hidden, weight, bias) if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"hidden, weight and bias must be on one device, got {sorted(map(str, devices))}")
-
-
-def _check_labels(labels: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
-    """Labels: integer class ids (any integer dtype, any strides), one per token, on the tensors' device."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
-    if labels.shape != shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal the tokens' shape {tuple(shape)}")
-    if labels.device != device:
-        raise ValueError(f"labels are on {labels.device} but the other tensors on {device}; move them first")
-
-
-def _reject_dtensor(name: str, t: Any) -> None:
-    """A DTensor is an FSDP2 / tensor-parallel shard: computing with it would silently use part of the weight."""
-    if t is None or not torch.distributed.is_available():
-        return
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5 kept it private
-        from torch.distributed._tensor import DTensor
-
-    if isinstance(t, DTensor):
-        raise ValueError(
-            f"{name} is a DTensor (placements {tuple(t.placements)}): the fused loss needs plain tensors. For an "
-            "FSDP2-sharded lm_head, compute the loss inside the lm_head module's forward, where FSDP has "
-            "all-gathered the weight; for vocab parallelism pass the local shard (.to_local()) and process_group"
-        )
-
-
-def _check_low_rank(low_rank, hidden, weight) -> None:
-    if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
-        raise ValueError("low_rank must be a pair (u, B): u (..., r) per token, B (V, r)")
-    u, b = low_rank
-    if not isinstance(u, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise ValueError(f"low_rank must be a pair of tensors (u, B), got ({type(u).__name__}, {type(b).__name__})")
-    _reject_dtensor("low_rank u", u)
-    _reject_dtensor("low_rank B", b)
-    if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
-        raise ValueError(
-            f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "
-            f"got {tuple(u.shape)} and {tuple(b.shape)}"
-        )
-    if u.device != hidden.device or b.device != hidden.device:
-        raise ValueError("low_rank tensors must be on the device of hidden")
-
-
-def _matmul_inputs(hidden, weight, bias, low_rank_input, low_rank_weight):
-    """Under autocast, cast to its dtype as nn.Linear would; otherwise all matmul operands must agree."""
-    tensors = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return tuple(None if t is None else t.to(dtype) for t in tensors)
-    dtypes = {t.dtype for t in tensors if t is not None}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and the other operands must share one dtype, got "
-            f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast"
-        )
-    return tensors
-
-
-def _resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
-    """(scale tensor or None, scaling): ``scaling`` if given, else the GradScaler's current scale (its tensor,
-    read inside the operator, so that no host sync happens here), else 1."""
-    if isinstance(scaling, torch.Tensor):
-        return scaling, 1.0
-    if scaling is not None:
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
-            raise ValueError(f"scaling must be a finite number >= 0, got {scaling!r}")
-        return None, float(scaling)
-    scaler = opts.grad_scaler
-    if scaler is None:
-        return None, 1.0
-    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None  # torch.amp.GradScaler
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0
-    return None, float(scaler.get_scale())
-
-
-def _num_items(num_items_in_batch: Any, reduction: str) -> torch.Tensor | None:
-    """``num_items_in_batch`` (a number or a tensor, as transformers passes it) as a tensor, or None."""
-    if num_items_in_batch is None:
-        return None
-    if reduction != "mean":
-        raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {reduction!r}")
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(num_items_in_batch.shape)}")
-        return num_items_in_batch
-    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
-        raise ValueError(f"num_items_in_batch must be a number or a tensor, got {num_items_in_batch!r}")
-    return torch.tensor(float(num_items_in_batch), dtype=torch.float64)
+        return ", ".join(f"{f.name}={getattr(self.options, f.name)!r}" for f in dataclasses.fields(LossOptions)
+                         if self.options.is_set(f.name))

@@ -7,11 +7,12 @@
     fused_lm_loss::logits_cross_entropy_backward loss signature)
     fused_lm_loss::rescale_grads                 compiled backward: grad_output / scaling on the saved gradients
 
-Everything data-dependent (the kept-row count, the label check, the host syncs, the chunk loop) happens
-inside an operator, so Dynamo sees static shapes: the loss is () (or like the labels), each gradient is
-shaped like its input, or (0,) when not needed. The fake implementations give exactly those shapes. A
-changing number of ignored labels therefore never recompiles, and the kernels inside are never traced or
-re-compiled by Inductor.
+Each takes its tensors and call values, then the options (``ops_common.fused_op``: generated from
+``LossOptions``, read by name). Everything data-dependent (the selected-row count, the label check, the host
+syncs, the chunk loop) happens inside an operator, so Dynamo sees static shapes: the loss is () (or like the
+labels), each gradient is shaped like its input, or (0,) when not needed (``loss_outputs``, which the fake and
+the real implementation share). A changing number of ignored labels therefore never recompiles, and the kernels
+inside are never traced or re-compiled by Inductor.
 
 Autograd (``register_autograd``): gradients are made in forward and saved; backward multiplies them by
 ``grad_output / scaling``, out of place (retain_graph works). In eager mode a factor of exactly 1.0 returns
@@ -23,53 +24,23 @@ in backward. Second-order gradients are not supported: a backward with ``create_
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
-from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import distributed
-from .backends import backend_name, get_backend
-from .chunked import GivenLogits, LinearHead, LossStep, label_ids, run_chunks, select_rows
+from .backends import get_backend
+from .chunked import GivenLogits, KeptLogits, LossStep, Rows, label_ids, run_chunks, select_rows
+from .distributed import Shard
+from .ops_common import (
+    Spec, absent, allocate, conform, fused_op, grad_specs, kept_logits_spec, linear_call, only_needed, per_token,
+    gradient_scale, refuse_double_backward, rescaled, save_grads, save_with_options, saved_with_options,
+    shaped_like, without_tensors,
+)
 from .options import LossOptions
-from .plan import GradNeeds, grad_dtypes, make_plan
+from .plan import GradNeeds, loss_terms, make_plan
 
-_NO_GRAD = GradNeeds()
-
-
-# ---- the options as operator arguments (plain values; a process group by name) --------------------------
-
-
-def option_args(opts: LossOptions) -> tuple:
-    """The options of a call, in the operators' argument order (after the tensors and ``scaling``)."""
-    return (
-        opts.ignore_index, opts.reduction, float(opts.label_smoothing), float(opts.z_loss),
-        None if opts.softcap is None else float(opts.softcap), float(opts.logit_scale), opts.chunk_size,
-        opts.accum_dtype, opts.logits_dtype, distributed.group_name(opts.process_group), opts.vocab_start,
-        opts.vocab_size, opts.reduce_grad_input, opts.return_z_loss, opts.return_token_accuracy, opts.keep_logits,
-    )
-
-
-def _options(
-    ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size, accum_dtype, logits_dtype,
-    group, vocab_start, vocab_size, reduce_grad_input, return_z_loss, return_token_accuracy, keep_logits,
-) -> LossOptions:
-    """The LossOptions of operator arguments (the class weights travel as a tensor argument of their own)."""
-    return LossOptions(
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size, accum_dtype=accum_dtype,
-        logits_dtype=logits_dtype, process_group=distributed.group_of(group), vocab_start=vocab_start,
-        vocab_size=vocab_size, reduce_grad_input=reduce_grad_input, return_z_loss=return_z_loss,
-        return_token_accuracy=return_token_accuracy, keep_logits=keep_logits,
-    )
-
-
-_OPTION_COUNT = 16
-
-
-# ---- shared rules --------------------------------------------------------------------------------------
+F32 = torch.float32
 
 
 def mean_denominator(n_rows: int, num_items: Tensor | None) -> float:
@@ -86,38 +57,26 @@ def mean_denominator(n_rows: int, num_items: Tensor | None) -> float:
     return denominator if denominator > 0 else 1.0
 
 
-def _scaling(scale: Tensor | None, scaling: float) -> float:
-    """The gradient scale of a call: the GradScaler's scale tensor when given, else ``scaling``."""
-    value = float(scale) if scale is not None else float(scaling)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"the gradient scaling must be a finite number >= 0, got {value}")
-    return value
-
-
-def grad_factor(grad_output: Tensor, scaling: float) -> float:
-    """grad_output / scaling for the gradients made in forward (scaled by ``scaling``); one host sync."""
-    go = float(grad_output)
-    if scaling == 0.0 and go != 0.0:
-        raise RuntimeError(
-            "the fused loss was computed with scaling=0 (a GradScaler scale of 0?): its gradients are all zero "
-            f"and cannot be rescaled to grad_output={go}. Use a non-zero scale."
-        )
-    return 0.0 if scaling == 0.0 else go / scaling
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
-def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
-    """An operator output that was not asked for: (0,) like ``like`` (the fake implementations agree)."""
-    return _empty(like) if t is None else t
-
-
 # ---- fused_lm_loss::linear_cross_entropy ---------------------------------------------------------------
 
 
-@torch.library.custom_op("fused_lm_loss::linear_cross_entropy", mutates_args=())
+def loss_outputs(opts: LossOptions, needs: Sequence[bool], hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                 low_rank_input: Tensor | None, low_rank_weight: Tensor | None, labels: Tensor) -> list[Spec]:
+    """The outputs of ``linear_cross_entropy`` (its fake and real implementations both follow this)."""
+    per_token_loss = opts.reduction == "none"
+    loss_shape = tuple(labels.shape) if per_token_loss else ()
+    none = Spec((0,), F32)
+    return [
+        Spec(loss_shape, F32),
+        Spec((labels.numel(),), F32) if per_token_loss and any(needs) else none,  # lse, for the recompute
+        Spec(loss_shape, F32) if opts.return_z_loss else none,
+        Spec(loss_shape, F32) if opts.return_token_accuracy else none,
+        *grad_specs(opts, needs, not per_token_loss, (hidden, weight, bias, low_rank_input, low_rank_weight), labels),
+        kept_logits_spec(opts, per_token_loss and any(needs), hidden, weight, labels),
+    ]
+
+
+@fused_op("fused_lm_loss::linear_cross_entropy")
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -126,70 +85,52 @@ def linear_cross_entropy(
     low_rank_weight: Optional[Tensor],
     labels: Tensor,
     num_items: Optional[Tensor],
-    class_weight: Optional[Tensor],
     scale: Optional[Tensor],
     scaling: float,
     needs: Sequence[bool],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
-    logit_scale: float,
-    chunk_size: Optional[int],
-    accum_dtype: Optional[torch.dtype],
-    logits_dtype: Optional[torch.dtype],
-    group: Optional[str],
-    vocab_start: Optional[int],
-    vocab_size: Optional[int],
-    reduce_grad_input: bool,
-    return_z_loss: bool,
-    return_token_accuracy: bool,
-    keep_logits: bool,
+    *,
+    opts: LossOptions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss, token_accuracy, d hidden, d weight, d bias, d u, d B, kept logits) of
-    CE(softcap(s * (h @ W.T + b + u @ B.T)), labels), with class weights when given.
+    CE(transform(h @ W.T + b + u @ B.T), labels), with the options' smoothing, z-loss and class weights.
 
     hidden (..., H), weight (V_shard, H), bias (V_shard,), u (..., r), B (V_shard, r), labels (...) of any
-    integer dtype and any strides, class_weight (V_shard,). loss is () for "mean"/"sum", shaped like labels
-    (fp32) for "none"; lse (N,) fp32 only for "none" with gradients (kept for the recompute), else (0,);
-    z_loss and token_accuracy reduced like the loss when asked for, else (0,). Each gradient is made only
-    where ``needs`` says (order: hidden, weight, bias, u, B), contiguous and shaped like its input, scaled by
-    ``scaling`` (or the value of ``scale``) / the mean denominator; else (0,). The kept logits (N, V_shard) in
-    the logits dtype (their first rows.count rows: the kept rows' raw logits) only for "none" with gradients
-    and ``keep_logits``, for the backward to read instead of recomputing; else (0,).
+    integer dtype and any strides. loss is () for "mean"/"sum", shaped like labels (fp32) for "none"; lse (N,)
+    fp32 only for "none" with gradients (saved for the recompute), else (0,); z_loss and token_accuracy reduced
+    like the loss when asked for, else (0,). Each gradient is made only where ``needs`` says (order: hidden,
+    weight, bias, u, B), contiguous and shaped like its input, scaled by ``scaling`` (or the value of ``scale``) /
+    the mean denominator; else (0,). The kept logits (N, V_shard) in the logits dtype (their first rows.count
+    rows: the selected rows' raw logits) only for "none" with gradients and ``keep_logits``, for the backward to
+    read instead of recomputing; else (0,).
     """
-    opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
-                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, return_z_loss,
-                    return_token_accuracy, keep_logits)
-    scaling = _scaling(scale, scaling)
+    specs = loss_outputs(opts, needs, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    device, kept_logits = hidden.device, allocate(specs[-1:], hidden.device)[0]
+    scaling = gradient_scale(scale, scaling)
     grad_needs = GradNeeds(*needs)
-    kept = _kept_logits_buffer(opts, hidden, weight, labels, reduction == "none" and grad_needs.any())
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
-                                              kept)
-    class_weight = _class_weight(class_weight, weight)
+    head, rows, backend, shard = linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
+                                             KeptLogits.of(kept_logits, "store"))
+    terms = loss_terms(opts, shard, device)
 
-    if reduction == "none":  # per-token grad_output is unknown until backward: keep lse, recompute then
-        plan = make_plan(opts, backend, shard, rows, head, class_weight=class_weight,
-                         kept_logits="store" if kept.numel() else None)
-        step = run_chunks(plan, head, rows, LossStep(plan, hidden.device)).step
-        per_token = _scatter_rows(step.loss, rows, labels.numel()).view(labels.shape)
-        lse = _scatter_rows(step.lse, rows, labels.numel()) if grad_needs.any() else _empty(per_token)
+    if opts.reduction == "none":  # per-token grad_output is unknown until backward: save lse, recompute then
+        plan = make_plan(opts, backend, shard, rows, head, terms=terms)
+        step = run_chunks(plan, head, rows, LossStep(plan, device)).step
+        lse = rows.scatter(step.lse) if grad_needs.any() else None
         extras = _extras(opts, step, rows, labels, 1.0)
-        return (per_token, lse, *extras, *(_empty(hidden) for _ in range(5)), kept)
+        return conform(specs, (per_token(step.loss, rows, labels), lse, *extras, *(None,) * 5, kept_logits), device)
 
-    if class_weight is not None:  # the mean divides by the targets' summed weights, as F.cross_entropy
-        weight_sum = float(class_weight[rows.target].sum()) if rows.count else 0.0
-        denominator = weight_sum if reduction == "mean" else 1.0
+    grad_terms = None
+    if terms.class_weight is not None:  # the mean divides by the targets' summed weights, as F.cross_entropy
+        weight_sum = float(terms.class_weight[rows.target].sum()) if rows.count else 0.0
+        denominator = weight_sum if opts.reduction == "mean" else 1.0
         # ... and the (unweighted) z-loss by the token count, as Liger: its gradient coefficient follows
-        z_denominator = float(max(rows.count, 1)) if reduction == "mean" else 1.0
-        grad_z_loss = opts.z_loss * denominator / z_denominator if denominator else 0.0
+        z_denominator = float(max(rows.count, 1)) if opts.reduction == "mean" else 1.0
+        grad_terms = terms.with_z_loss(opts.z_loss * denominator / z_denominator if denominator else 0.0)
     else:
-        denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
-        z_denominator, grad_z_loss = denominator, None
+        denominator = mean_denominator(rows.count, num_items) if opts.reduction == "mean" else 1.0
+        z_denominator = denominator
     plan = make_plan(opts, backend, shard, rows, head, needs=grad_needs, grad_scale=scaling / denominator,
-                     class_weight=class_weight, grad_z_loss=grad_z_loss)
-    out = run_chunks(plan, head, rows, LossStep(plan, hidden.device))
+                     terms=terms, grad_terms=grad_terms)
+    out = run_chunks(plan, head, rows, LossStep(plan, device))
     step = out.step
     z_terms = opts.z_loss * step.lse * step.lse if opts.z_loss > 0 else None
     if z_terms is not None and z_denominator != denominator:  # the z-loss's own denominator
@@ -197,100 +138,41 @@ def linear_cross_entropy(
     else:
         loss = step.loss.sum() / denominator
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    extras = _extras(opts, step, rows, labels, z_denominator)
-    return (loss, _empty(loss), *extras, *(_shaped_like(g, x, hidden) for g, x in zip(out.grads[0], inputs)), kept)
+    grads = (shaped_like(g, x) for g, x in zip(out.grads[0], inputs))
+    return conform(specs, (loss, None, *_extras(opts, step, rows, labels, z_denominator), *grads, kept_logits), device)
 
 
-def _kept_logits_buffer(opts: LossOptions, hidden: Tensor, weight: Tensor, labels: Tensor, recomputes: bool) -> Tensor:
-    """Where forward keeps the logits for backward (``keep_logits`` where backward would recompute them): one
-    row per token (the kept rows first; the shape must not depend on the data), this shard's vocabulary, the
-    logits dtype; else (0,). The fake implementations call this too."""
-    if not (opts.keep_logits and recomputes):
-        return _empty(hidden)
-    return hidden.new_empty((labels.numel(), weight.shape[0]), dtype=opts.logits_dtype or hidden.dtype)
-
-
-def _class_weight(class_weight: Tensor | None, weight: Tensor) -> Tensor | None:
-    """The class weights as the kernels read them: (V,) fp32, contiguous, on the weight's device."""
-    if class_weight is None:
-        return None
-    if class_weight.shape != (weight.shape[0],):
-        raise ValueError(f"class_weight must have one weight per class: shape ({weight.shape[0]},), got "
-                         f"{tuple(class_weight.shape)}")
-    return class_weight.to(device=weight.device, dtype=torch.float32).contiguous()
-
-
-def _extras(opts: LossOptions, step: LossStep, rows, labels: Tensor, z_denominator: float) -> tuple[Tensor, Tensor]:
-    """(z_loss, token_accuracy) reduced like the loss (detached: for logging), (0,) when not asked for. The
+def _extras(opts: LossOptions, step: LossStep, rows: Rows, labels: Tensor, z_denominator: float) -> tuple:
+    """(z_loss, token_accuracy) reduced like the loss (detached: for logging), None when not asked for. The
     accuracy is the fraction of tokens with a loss whose label is the argmax (per token: 0 or 1)."""
-    n = labels.numel()
-    reduce = opts.reduction
-    z_value, accuracy = _empty(step.lse), _empty(step.lse)
+    z_value = accuracy = None
     if opts.return_z_loss:
         z_terms = opts.z_loss * step.lse * step.lse
-        if reduce == "none":
-            z_value = _scatter_rows(z_terms, rows, n).view(labels.shape)
+        if opts.reduction == "none":
+            z_value = per_token(z_terms, rows, labels)
         else:
-            z_value = z_terms.sum() / (z_denominator if reduce == "mean" else 1.0)
+            z_value = z_terms.sum() / (z_denominator if opts.reduction == "mean" else 1.0)
     if opts.return_token_accuracy:
         correct = (step.argmax == rows.target).float()
-        if reduce == "none":
-            accuracy = _scatter_rows(correct, rows, n).view(labels.shape)
+        if opts.reduction == "none":
+            accuracy = per_token(correct, rows, labels)
         else:
-            accuracy = correct.sum() / (max(rows.count, 1) if reduce == "mean" else 1.0)
+            accuracy = correct.sum() / (max(rows.count, 1) if opts.reduction == "mean" else 1.0)
     return z_value, accuracy
 
 
-def _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels, kept_logits=None):
-    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the kept rows;
-    ``kept_logits`` (from ``_kept_logits_buffer``; (0,): none) the head writes or reads as its plan says."""
-    labels = label_ids(labels)
-    n = labels.numel()  # not -1: hidden may have 0 columns (the logits are then the bias, as in F.linear)
-    low_rank = None
-    if low_rank_input is not None:
-        low_rank = (low_rank_input.reshape(n, low_rank_input.shape[-1]), low_rank_weight)
-    backend = get_backend(hidden.device)
-    shard = distributed.Shard.of(weight, labels, opts)
-    rows = select_rows(labels, opts.ignore_index, shard, backend)
-    kept_logits = kept_logits if kept_logits is not None and kept_logits.numel() else None
-    return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank, kept_logits), rows, backend, shard
-
-
-def _shaped_like(grad: Tensor | None, like: Tensor | None, empty_like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """A gradient of the chunk loop in its input's shape (contiguous; rounded to ``dtype`` if given), or (0,)
-    when not asked for."""
-    if grad is None:
-        return _empty(empty_like)
-    return grad.view(like.shape) if dtype is None else grad.view(like.shape).to(dtype)
-
-
 @linear_cross_entropy.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, class_weight, scale, scaling, needs,
-      *options):
-    reduction = options[1]
-    loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
-    lse = hidden.new_empty((labels.numel(),) if reduction == "none" and any(needs) else (0,), dtype=torch.float32)
-    extras = [hidden.new_empty(loss.shape if asked else (0,), dtype=torch.float32) for asked in options[-2:]]
-    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    opts = _options(*options)
-    dtypes = grad_dtypes(opts, hidden.device, hidden, weight, bias, low_rank_weight, labels.numel(),
-                         distributed.Shard.chunk_vocab_of(weight, opts), backend_name(hidden.device))
-    grads = [
-        x.new_empty(x.shape, dtype=dtype) if need and reduction != "none" else hidden.new_empty((0,))
-        for need, x, dtype in zip(needs, inputs, dtypes)
-    ]
-    kept = _kept_logits_buffer(opts, hidden, weight, labels, reduction == "none" and any(needs))
-    return (loss, lse, *extras, *grads, kept)
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, num_items, scale, scaling, needs, *, opts):
+    specs = loss_outputs(opts, needs, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+    return allocate(specs, hidden.device)
 
 
-def _scatter_rows(values: Tensor, rows, n: int) -> Tensor:
-    """(rows.count,) values of the kept rows -> (n,), zero at ignored positions."""
-    if rows.index is None:
-        return values
-    return values.new_zeros(n).index_copy_(0, rows.index, values)
+def _backward_outputs(needs: Sequence[bool], inputs: Sequence[Tensor | None]) -> list[Spec]:
+    """Gradients in the inputs' dtypes, (0,) where not needed."""
+    return [Spec(tuple(x.shape), x.dtype) if need else absent(inputs[0]) for need, x in zip(needs, inputs)]
 
 
-@torch.library.custom_op("fused_lm_loss::linear_cross_entropy_backward", mutates_args=())
+@fused_op("fused_lm_loss::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(
     hidden: Tensor,
     weight: Tensor,
@@ -298,252 +180,157 @@ def linear_cross_entropy_backward(
     low_rank_input: Optional[Tensor],
     low_rank_weight: Optional[Tensor],
     labels: Tensor,
-    class_weight: Optional[Tensor],
     lse: Tensor,
     kept_logits: Tensor,
     grad_per_token: Tensor,
     needs: Sequence[bool],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
-    logit_scale: float,
-    chunk_size: Optional[int],
-    accum_dtype: Optional[torch.dtype],
-    logits_dtype: Optional[torch.dtype],
-    group: Optional[str],
-    vocab_start: Optional[int],
-    vocab_size: Optional[int],
-    reduce_grad_input: bool,
-    return_z_loss: bool,
-    return_token_accuracy: bool,
-    keep_logits: bool,
+    *,
+    opts: LossOptions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of sum_i grad_per_token[i] * loss_i (reduction="none"; grad_per_token shaped like labels),
     from the forward's lse and its kept logits, or (``kept_logits`` (0,)) recomputing the logits chunk by chunk
     from the saved inputs; (0,) where not needed."""
-    opts = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, chunk_size,
-                    accum_dtype, logits_dtype, group, vocab_start, vocab_size, reduce_grad_input, False, False,
-                    keep_logits)
-    head, rows, backend, shard = _linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
-                                              kept_logits)
-    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
-                     class_weight=_class_weight(class_weight, weight), vocab_tiles=True,
-                     kept_logits="reuse" if kept_logits.numel() else None)
-    row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
-    out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=_kept(lse, rows), row_scale=row_scale))
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return tuple(_shaped_like(g, x, hidden, x.dtype if x is not None else None) for g, x in zip(out.grads[0], inputs))
+    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "reuse"))
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
+                     terms=loss_terms(opts, shard, hidden.device), vocab_tiles=True)
+    row_scale = rows.take(grad_per_token.reshape(-1).float())
+    out = run_chunks(plan, head, rows, LossStep(plan, hidden.device, lse=rows.take(lse), row_scale=row_scale))
+    grads = [shaped_like(g, x, x.dtype if x is not None else None) for g, x in zip(out.grads[0], inputs)]
+    return conform(_backward_outputs(needs, inputs), grads, hidden.device)
 
 
 @linear_cross_entropy_backward.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, kept_logits, grad_per_token,
-      needs, *options):
-    inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    return tuple(x.new_empty(x.shape) if need else hidden.new_empty((0,)) for need, x in zip(needs, inputs))
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, kept_logits, grad_per_token, needs, *,
+      opts):
+    return allocate(_backward_outputs(needs, (hidden, weight, bias, low_rank_input, low_rank_weight)), hidden.device)
 
 
-def _kept(per_token: Tensor, rows) -> Tensor:
-    """(N,) per-token values -> (rows.count,) contiguous values of the kept rows."""
-    return (per_token if rows.index is None else per_token[rows.index]).contiguous()
-
-
-# ---- fused_lm_loss::logits_cross_entropy ---------------------------------------------------------------
-
-
-@torch.library.custom_op("fused_lm_loss::logits_cross_entropy", mutates_args=())
-def logits_cross_entropy(
-    logits: Tensor,
-    labels: Tensor,
-    num_items: Optional[Tensor],
-    need_grad: bool,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: Optional[int],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, lse, d logits) of CE(logits, labels) for logits (..., V) that already carry the model's softcap
-    / scale; the same outputs and rules as ``linear_cross_entropy`` (d logits in the logits' dtype)."""
-    opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                       z_loss=z_loss, chunk_size=chunk_size)
-    head, rows, backend, shard = _logits_call(opts, logits, labels)
-    if reduction == "none":
-        plan = make_plan(opts, backend, shard, rows, head)
-        out = run_chunks(plan, head, rows, LossStep(plan, logits.device)).step
-        lse = _scatter_rows(out.lse, rows, labels.numel()) if need_grad else _empty(out.loss)
-        return _scatter_rows(out.loss, rows, labels.numel()).view(labels.shape), lse, _empty(logits)
-    denominator = mean_denominator(rows.count, num_items) if reduction == "mean" else 1.0
-    plan = make_plan(opts, backend, shard, rows, head,
-                     needs=GradNeeds(hidden=need_grad), grad_scale=1.0 / denominator)
-    out = run_chunks(plan, head, rows, LossStep(plan, logits.device))
-    return out.step.loss.sum() / denominator, _empty(logits), _shaped_like(out.grads[0][0], logits, logits)
-
-
-def _logits_call(opts, logits, labels):
-    """(head, rows, backend, shard) of a call on given logits."""
-    labels = label_ids(labels)
-    vocab = logits.shape[-1]
-    backend = get_backend(logits.device)
-    shard = distributed.Shard.whole(vocab)
-    rows = select_rows(labels, opts.ignore_index, shard, backend)
-    return GivenLogits(logits.reshape(labels.numel(), vocab)), rows, backend, shard
-
-
-@logits_cross_entropy.register_fake
-def _(logits, labels, num_items, need_grad, ignore_index, reduction, *options):
-    loss = logits.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
-    lse = logits.new_empty((labels.numel(),) if reduction == "none" and need_grad else (0,), dtype=torch.float32)
-    grad = logits.new_empty(logits.shape) if need_grad and reduction != "none" else logits.new_empty((0,))
-    return loss, lse, grad
-
-
-@torch.library.custom_op("fused_lm_loss::logits_cross_entropy_backward", mutates_args=())
-def logits_cross_entropy_backward(
-    logits: Tensor,
-    labels: Tensor,
-    lse: Tensor,
-    grad_per_token: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    chunk_size: Optional[int],
-) -> Tensor:
-    """d(sum_i grad_per_token[i] * loss_i) / d logits (reduction="none")."""
-    opts = LossOptions(ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
-                       z_loss=z_loss, chunk_size=chunk_size)
-    head, rows, backend, shard = _logits_call(opts, logits, labels)
-    plan = make_plan(opts, backend, shard, rows, head,
-                     needs=GradNeeds(hidden=True))
-    row_scale = _kept(grad_per_token.reshape(-1).float(), rows)
-    out = run_chunks(plan, head, rows, LossStep(plan, logits.device, lse=_kept(lse, rows), row_scale=row_scale))
-    return out.grads[0][0].view(logits.shape)
-
-
-@logits_cross_entropy_backward.register_fake
-def _(logits, labels, lse, grad_per_token, *options):
-    return logits.new_empty(logits.shape)
-
-
-# ---- fused_lm_loss::rescale_grads and the autograd rules -----------------------------------------------
-
-
-@torch.library.custom_op("fused_lm_loss::rescale_grads", mutates_args=())
-def rescale_grads(grads: Sequence[Tensor], grad_output: Tensor, scale: Optional[Tensor], scaling: float) -> List[Tensor]:
-    """Each gradient made in forward times grad_output / scaling, as new tensors of its dtype (compiled
-    backward; the caller rounds them to the inputs' dtypes)."""
-    factor = grad_factor(grad_output, _scaling(scale, scaling))
-    return [g * factor for g in grads]
-
-
-@rescale_grads.register_fake
-def _(grads, grad_output, scale, scaling):
-    return [torch.empty_like(g) for g in grads]
-
-
-def _traced(t: Tensor | None) -> bool:
-    """Whether this runs while torch.compile traces (AOTAutograd traces backward with fake tensors; torch 2.5
-    does not report that through ``torch.compiler.is_compiling``)."""
-    return torch.compiler.is_compiling() or (t is not None and (isinstance(t, FunctionalTensor) or is_fake(t)))
-
-
-def _rescaled(grads: list[Tensor], dtypes: list[torch.dtype], grad_output: Tensor, scale: Tensor | None,
-              scaling: float) -> list[Tensor]:
-    """grad_output / scaling applied out of place, each result rounded once to its ``dtypes`` entry (the
-    input's dtype); in eager mode a factor of exactly 1.0 returns the gradients kept in that dtype as they are."""
-    if _traced(grad_output):
-        return [g.to(dtype) for g, dtype in zip(rescale_grads(grads, grad_output, scale, scaling), dtypes)]
-    return _apply_factor(grads, dtypes, grad_factor(grad_output, _scaling(scale, scaling)))
-
-
-def _apply_factor(grads: list[Tensor], dtypes: list[torch.dtype], factor: float) -> list[Tensor]:
-    """Eager: each gradient times ``factor``, out of place, rounded once to its ``dtypes`` entry; a factor of
-    exactly 1.0 returns the gradients already in that dtype as they are."""
-    if factor == 1.0:
-        return [g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, dtypes)]
-    return [torch.mul(g, factor, out=g.new_empty(g.shape, dtype=dtype)) for g, dtype in zip(grads, dtypes)]
-
-
-def _refuse_double_backward(grad_output: Tensor | None) -> None:
-    # backward runs with grad mode on only for create_graph=True; tracing a compiled backward is not that
-    if torch.is_grad_enabled() and not _traced(grad_output):
-        raise RuntimeError(
-            "fused_lm_loss does not support higher-order gradients: its backward only rescales gradients made in "
-            "forward, so a gradient of its gradient would be silently wrong. Call autograd.grad / backward without "
-            "create_graph=True, or compute this loss with F.cross_entropy on the logits."
-        )
-
-
-def _setup_linear(ctx, inputs, output) -> None:
-    hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, class_weight, scale, scaling, needs, *options = (
-        inputs
-    )
-    loss, lse, z_value, accuracy, *grads, kept = output
-    ctx.needs, ctx.options = tuple(needs), tuple(options)
+def _setup_linear(ctx, inputs, opts, output) -> None:
+    hidden, weight, bias, low_rank_input, low_rank_weight, labels, _, scale, scaling, needs = inputs
+    loss, lse, z_value, accuracy, *grads, kept_logits = output
+    ctx.needs = tuple(needs)
     ctx.dtypes = tuple(None if x is None else x.dtype for x in (hidden, weight, bias, low_rank_input, low_rank_weight))
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, z_value, accuracy, *grads, kept)
-    if options[1] == "none":
-        ctx.save_for_backward(hidden, weight, bias, low_rank_input, low_rank_weight, labels, class_weight, lse, kept)
+    ctx.mark_non_differentiable(lse, z_value, accuracy, *grads, kept_logits)
+    if opts.reduction == "none":
+        save_with_options(ctx, opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, kept_logits)
     else:
-        ctx.scaling = scaling
-        _keep_grads(ctx, grads, scale)
-
-
-def _keep_grads(ctx, grads: list[Tensor], *also_saved: Tensor | None) -> None:
-    """Save the gradients made in forward for backward, after ``also_saved`` (which backward reads too).
-
-    Through ``save_for_backward``, so that the engine releases them as soon as backward has run (unless
-    retain_graph): ``param.grad`` then adopts the returned tensor instead of copying it. Under retain_graph
-    they stay saved, the engine sees a second owner and copies into ``param.grad``, so a second backward never
-    accumulates into a saved gradient.
-    """
-    ctx.save_for_backward(*also_saved, *grads)
+        ctx.opts, ctx.scaling = without_tensors(opts), scaling
+        save_grads(ctx, grads, scale)
 
 
 def _backward_linear(ctx, grad_loss, *unused):
-    _refuse_double_backward(grad_loss)
-    nothing = (None,) * (6 + _OPTION_COUNT)  # labels, num_items, class_weight, scale, scaling, needs; the options
+    refuse_double_backward(grad_loss)
+    call_values = (None,) * 5  # labels, num_items, scale, scaling, needs
     if grad_loss is None or not any(ctx.needs):
-        return (None,) * 5 + nothing
-    if ctx.options[1] == "none":
-        grads = linear_cross_entropy_backward(*ctx.saved_tensors, grad_loss, list(ctx.needs), *ctx.options)
+        return (None,) * 5 + call_values
+    if ctx.opts.reduction == "none":
+        saved, opts = saved_with_options(ctx)
+        grads = linear_cross_entropy_backward(*saved, grad_loss, list(ctx.needs), opts=opts)
     else:
-        saved = ctx.saved_tensors
-        scale, grads = saved[0], saved[1:]
-        kept = [g for g, need in zip(grads, ctx.needs) if need]
+        scale, *saved = ctx.saved_tensors
+        made = [g for g, need in zip(saved, ctx.needs) if need]
         dtypes = [dtype for dtype, need in zip(ctx.dtypes, ctx.needs) if need]
-        rescaled = iter(_rescaled(kept, dtypes, grad_loss, scale, ctx.scaling))
-        grads = [next(rescaled) if need else None for need in ctx.needs]
-    return (*(g if need else None for g, need in zip(grads, ctx.needs)), *nothing)
+        rescaled_grads = iter(rescaled(made, dtypes, grad_loss, scale, ctx.scaling))
+        grads = [next(rescaled_grads) if need else None for need in ctx.needs]
+    return (*only_needed(grads, ctx.needs), *call_values)
 
 
 linear_cross_entropy.register_autograd(_backward_linear, setup_context=_setup_linear)
 
 
-def _setup_logits(ctx, inputs, output) -> None:
-    logits, labels, _, need_grad, ignore_index, reduction, label_smoothing, z_loss, chunk_size = inputs
+# ---- fused_lm_loss::logits_cross_entropy ---------------------------------------------------------------
+
+
+def _logits_outputs(opts: LossOptions, need_grad: bool, logits: Tensor, labels: Tensor) -> list[Spec]:
+    per_token_loss = opts.reduction == "none"
+    return [
+        Spec(tuple(labels.shape) if per_token_loss else (), F32),
+        Spec((labels.numel(),), F32) if per_token_loss and need_grad else Spec((0,), F32),
+        Spec(tuple(logits.shape), logits.dtype) if need_grad and not per_token_loss else absent(logits),
+    ]
+
+
+def _logits_call(opts: LossOptions, logits: Tensor, labels: Tensor):
+    """(head, rows, backend, shard) of a call on given logits."""
+    labels = label_ids(labels)
+    vocab = logits.shape[-1]
+    backend = get_backend(logits.device)
+    shard = Shard.whole(vocab)
+    rows = select_rows(labels, opts.ignore_index, shard, backend)
+    return GivenLogits(logits.reshape(labels.numel(), vocab)), rows, backend, shard
+
+
+@fused_op("fused_lm_loss::logits_cross_entropy")
+def logits_cross_entropy(
+    logits: Tensor, labels: Tensor, num_items: Optional[Tensor], need_grad: bool, *, opts: LossOptions
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, d logits) of CE(logits / temperature, labels) for logits (..., V) that already carry the
+    model's softcap / scale; the same outputs and rules as ``linear_cross_entropy`` (d logits in the logits'
+    dtype)."""
+    specs = _logits_outputs(opts, need_grad, logits, labels)
+    head, rows, backend, shard = _logits_call(opts, logits, labels)
+    terms = loss_terms(opts, shard, logits.device)
+    if opts.reduction == "none":
+        plan = make_plan(opts, backend, shard, rows, head, terms=terms)
+        step = run_chunks(plan, head, rows, LossStep(plan, logits.device)).step
+        lse = rows.scatter(step.lse) if need_grad else None
+        return conform(specs, (per_token(step.loss, rows, labels), lse, None), logits.device)
+    denominator = mean_denominator(rows.count, num_items) if opts.reduction == "mean" else 1.0
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(hidden=need_grad),
+                     grad_scale=1.0 / denominator, terms=terms)
+    out = run_chunks(plan, head, rows, LossStep(plan, logits.device))
+    grad = shaped_like(out.grads[0][0], logits)
+    return conform(specs, (out.step.loss.sum() / denominator, None, grad), logits.device)
+
+
+@logits_cross_entropy.register_fake
+def _(logits, labels, num_items, need_grad, *, opts):
+    return allocate(_logits_outputs(opts, need_grad, logits, labels), logits.device)
+
+
+@fused_op("fused_lm_loss::logits_cross_entropy_backward")
+def logits_cross_entropy_backward(
+    logits: Tensor, labels: Tensor, lse: Tensor, grad_per_token: Tensor, *, opts: LossOptions
+) -> Tensor:
+    """d(sum_i grad_per_token[i] * loss_i) / d logits (reduction="none")."""
+    head, rows, backend, shard = _logits_call(opts, logits, labels)
+    plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(hidden=True),
+                     terms=loss_terms(opts, shard, logits.device))
+    row_scale = rows.take(grad_per_token.reshape(-1).float())
+    out = run_chunks(plan, head, rows, LossStep(plan, logits.device, lse=rows.take(lse), row_scale=row_scale))
+    return out.grads[0][0].view(logits.shape)
+
+
+@logits_cross_entropy_backward.register_fake
+def _(logits, labels, lse, grad_per_token, *, opts):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_logits(ctx, inputs, opts, output) -> None:
+    logits, labels, _, need_grad = inputs
     loss, lse, grad = output
-    ctx.need_grad, ctx.reduction = need_grad, reduction
-    ctx.options = (ignore_index, label_smoothing, z_loss, chunk_size)
+    ctx.need_grad = need_grad
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse, grad)
-    if reduction == "none":
-        ctx.save_for_backward(logits, labels, lse)
+    if opts.reduction == "none":
+        save_with_options(ctx, opts, logits, labels, lse)
     else:
-        _keep_grads(ctx, [grad])
+        ctx.opts = without_tensors(opts)
+        save_grads(ctx, [grad])
 
 
 def _backward_logits(ctx, grad_loss, *unused):
-    _refuse_double_backward(grad_loss)
-    nothing = (None,) * 8
+    refuse_double_backward(grad_loss)
+    call_values = (None,) * 3  # labels, num_items, need_grad
     if grad_loss is None or not ctx.need_grad:
-        return (None, *nothing)
-    if ctx.reduction == "none":
-        return (logits_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.options), *nothing)
+        return (None, *call_values)
+    if ctx.opts.reduction == "none":
+        saved, opts = saved_with_options(ctx)
+        return (logits_cross_entropy_backward(*saved, grad_loss, opts=opts), *call_values)
     (grad,) = ctx.saved_tensors
-    return (_rescaled([grad], [grad.dtype], grad_loss, None, 1.0)[0], *nothing)
+    return (rescaled([grad], [grad.dtype], grad_loss, None, 1.0)[0], *call_values)
 
 
 logits_cross_entropy.register_autograd(_backward_logits, setup_context=_setup_logits)

@@ -1,14 +1,40 @@
-"""The loss options, validated once (``ValueError`` for anything out of range)."""
+"""The options of a fused loss: one dataclass, validated once where it is made, and one table of what each way of
+calling can honour.
+
+``LossOptions`` is made by ``FusedLMLoss(...)``, ``fused_linear_cross_entropy(..., **options)``, ``token_stats`` and
+the integrations; ``__post_init__`` raises ``ValueError`` for a value out of range or a combination no call can
+serve (``CONFLICTS``). Each field says how it crosses into the PyTorch operators (``ops_common.py`` generates their
+option arguments from these fields): as a keyword argument of its own type (the default), as a tensor argument
+(``class_weight``), as a process group's registered name, or not at all (``grad_scaler``: its scale is read before
+the call and passed as an argument of its own). ``UNSUPPORTED`` says, per way of calling, which options that call
+cannot honour: ``check_supported`` raises there, so that nothing is silently dropped.
+
+Example::
+
+    opts = LossOptions(label_smoothing=0.1, temperature=0.7)     # ValueError for anything out of range
+    check_supported(opts, "patch")                               # ValueError if a patched model cannot honour it
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
+from .transform import LogitTransform
+
 REDUCTIONS = ("mean", "sum", "none")
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# How a field crosses into the operators (``ops_common.py``); a field without this metadata is a keyword argument
+# of its annotated type.
+TENSOR_ARG = {"crosses": "tensor"}  # a positional Optional[Tensor] argument (custom ops take no keyword tensors)
+GROUP_ARG = {"crosses": "group"}  # a torch.distributed group, by the name distributed.group_name gives it
+HOST_ONLY = {"crosses": None}  # read on the host before the call; not an operator argument
 
 
 @dataclass(frozen=True, eq=False)  # (class_weight is a tensor: options compare by identity)
@@ -17,17 +43,18 @@ class LossOptions:
     reduction: str = "mean"
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    softcap: float | None = None
+    softcap: Optional[float] = None
     logit_scale: float = 1.0
-    chunk_size: int | None = None
-    accum_dtype: torch.dtype | None = torch.float32
-    logits_dtype: torch.dtype | None = None
-    grad_scaler: Any = None
-    process_group: Any = None
-    vocab_start: int | None = None
-    vocab_size: int | None = None
+    temperature: float = 1.0
+    chunk_size: Optional[int] = None
+    accum_dtype: Optional[torch.dtype] = torch.float32
+    logits_dtype: Optional[torch.dtype] = None
+    grad_scaler: Any = field(default=None, metadata=HOST_ONLY)
+    process_group: Any = field(default=None, metadata=GROUP_ARG)
+    vocab_start: Optional[int] = None
+    vocab_size: Optional[int] = None
     reduce_grad_input: bool = True
-    class_weight: Any = None  # a (V,) float tensor: the weight of each class, as F.cross_entropy's weight=
+    class_weight: Any = field(default=None, metadata=TENSOR_ARG)  # (V,) float: F.cross_entropy's weight=
     return_z_loss: bool = False
     return_token_accuracy: bool = False
     keep_logits: bool = False
@@ -47,9 +74,10 @@ class LossOptions:
             _check_real("softcap", self.softcap)
             if self.softcap <= 0.0:
                 raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
-        _check_real("logit_scale", self.logit_scale)
-        if self.logit_scale <= 0.0:
-            raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
+        for name in ("logit_scale", "temperature"):
+            _check_real(name, getattr(self, name))
+            if getattr(self, name) <= 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
                 raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
@@ -59,27 +87,122 @@ class LossOptions:
             raise ValueError(f"logits_dtype must be None (the matmul dtype) or torch.float32, got {self.logits_dtype!r}")
         if self.grad_scaler is not None and not callable(getattr(self.grad_scaler, "get_scale", None)):
             raise ValueError("grad_scaler must be None or have a get_scale() method (e.g. torch.amp.GradScaler)")
+        for name in ("vocab_start", "vocab_size"):
+            value, lowest = getattr(self, name), 0 if name == "vocab_start" else 1
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
+                raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
         if self.process_group is None and (self.vocab_start is not None or self.vocab_size is not None):
             raise ValueError("vocab_start / vocab_size describe a vocab shard and need a process_group")
-        if self.vocab_start is not None and (not isinstance(self.vocab_start, int) or self.vocab_start < 0):
-            raise ValueError(f"vocab_start must be an int >= 0, got {self.vocab_start!r}")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
-            raise ValueError(f"vocab_size must be an int >= 1, got {self.vocab_size!r}")
         if (self.vocab_start is None) != (self.vocab_size is None):
             raise ValueError("give vocab_start and vocab_size together (unequal shards), or neither (equal shards)")
         if self.class_weight is not None:
             weight = self.class_weight
             if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
                 raise ValueError(f"class_weight must be a 1-d float tensor of one weight per class, got {weight!r}")
-            if self.process_group is not None:
-                raise ValueError("class_weight is not supported with vocab parallelism (process_group)")
-        if self.return_token_accuracy and self.process_group is not None:
-            raise ValueError("return_token_accuracy is not supported with vocab parallelism (process_group)")
-        for name in ("return_z_loss", "return_token_accuracy", "keep_logits"):
+        for name in ("reduce_grad_input", "return_z_loss", "return_token_accuracy", "keep_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for (first, second), why in CONFLICTS.items():
+            if self.is_set(first) and self.is_set(second):
+                raise ValueError(f"{first} with {second}: {why}")
+
+    def is_set(self, name: str) -> bool:
+        """Whether option ``name`` differs from its default (a tensor or a group is set when given)."""
+        value, default = getattr(self, name), _DEFAULTS[name]
+        return value is not default and (isinstance(value, (torch.Tensor, torch.dtype)) or value != default)
+
+    @property
+    def transform(self) -> LogitTransform:
+        """What the loss does to the raw logits before the softmax (scale, softcap, temperature)."""
+        return LogitTransform(scale=self.logit_scale, softcap=self.softcap, temperature=self.temperature)
+
+    @classmethod
+    def trusted(cls, **values: Any) -> "LossOptions":
+        """Options rebuilt from values that were validated when they were first made (an operator decoding its
+        arguments): no second validation. Fields not given keep their defaults."""
+        opts = object.__new__(cls)
+        for name, default in _DEFAULTS.items():
+            object.__setattr__(opts, name, values.pop(name, default))
+        if values:
+            raise TypeError(f"unknown options: {sorted(values)}")
+        return opts
+
+
+#: Pairs of options that no call can combine (both set): why.
+CONFLICTS: dict[tuple[str, str], str] = {
+    ("class_weight", "process_group"): "class weights are not supported with vocab parallelism",
+    ("return_token_accuracy", "process_group"): "the token accuracy is not computed with vocab parallelism",
+}
+
+# What the fused computations cannot honour, per way of calling: option -> why. ``check_supported`` raises for any
+# of these that is set. Options not listed are honoured; a few do not apply to a call and have nothing to change
+# there (``logits_dtype``, ``accum_dtype`` and ``keep_logits`` on logits that already exist: no matmul, no dW;
+# ``grad_scaler`` for the per-token outputs, whose gradients stay fp32 until backward receives the scaled
+# grad_output).
+_TOKEN_STATS = {
+    "reduction": "the per-token outputs are not reduced (reduce them yourself)",
+    "label_smoothing": "the per-token outputs are log-probabilities and entropy, not a smoothed loss",
+    "z_loss": "the per-token outputs carry no z-loss",
+    "logits_dtype": "fp32 logits are not supported for the per-token outputs",
+    "process_group": "vocab parallelism is not supported for the per-token outputs",
+    "vocab_start": "vocab parallelism is not supported for the per-token outputs",
+    "class_weight": "class weights do not apply to log-probabilities",
+    "return_z_loss": "the per-token outputs carry no z-loss",
+    "return_token_accuracy": "is_top1 is always returned",
+}
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "loss": {},  # FusedLMLoss / fused_linear_cross_entropy on hidden states
+    "logits": {  # the loss of logits that already exist (integrations.causal_lm_loss, a patched model's eval loss)
+        "process_group": "a vocab-parallel loss needs hidden states, not logits",
+        "class_weight": "class weights need hidden states, not logits",
+        "return_z_loss": "return_z_loss needs hidden states, not logits",
+        "return_token_accuracy": "return_token_accuracy needs hidden states, not logits",
+    },
+    "patch": {  # a patched Hugging Face model's training loss
+        "process_group": "patch() does not handle a vocab-parallel loss; use the core API",
+        "return_z_loss": "the model returns its loss; return_z_loss is for direct FusedLMLoss calls",
+        "return_token_accuracy": "the model returns its loss; return_token_accuracy is for direct FusedLMLoss calls",
+        "class_weight": "transformers divides the loss by num_items_in_batch, a token count, which class weights "
+        "redefine; use FusedLMLoss(class_weight=...) on the hidden states directly",
+    },
+    "token_stats": _TOKEN_STATS,
+    "trl": {  # TRL's fused LM head on a patched model: per-token log-probabilities that TRL reduces itself
+        **_TOKEN_STATS,
+        "reduction": "TRL reduces the per-token log-probabilities itself",
+        "label_smoothing": "TRL's loss is made of per-token log-probabilities, which carry no label smoothing",
+        "z_loss": "TRL's loss is made of per-token log-probabilities, which carry no z-loss",
+        "ignore_index": "TRL marks ignored positions with -100",
+        "temperature": "TRL passes its own temperature (set it in TRL's config)",
+    },
+}
+
+
+def check_supported(opts: LossOptions, where: str, owner: str = "") -> None:
+    """Raise ``ValueError`` naming every option set in ``opts`` that ``where`` (a key of UNSUPPORTED) cannot honour."""
+    refused = {name: why for name, why in UNSUPPORTED[where].items() if opts.is_set(name)}
+    if refused:
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise ValueError(f"fused_lm_loss{': ' + owner if owner else ''}: {', '.join(refused)} cannot be honoured "
+                         f"here ({reasons})")
+
+
+def operator_fields() -> list[tuple[str, str | None, Any]]:
+    """(name, how it crosses, operator type) of every field, in declaration order: how is "value" (a keyword
+    argument of the operator type), "tensor", "group" (operator type Optional[str]) or None (not an argument)."""
+    hints = typing.get_type_hints(LossOptions)
+    out = []
+    for f in dataclasses.fields(LossOptions):
+        crosses = f.metadata.get("crosses", "value")
+        kind = {"tensor": Optional[torch.Tensor], "group": Optional[str], None: None}.get(crosses, hints[f.name])
+        if isinstance(kind, types.UnionType):  # X | None -> Optional[X], the spelling infer_schema knows
+            kind = Optional[next(a for a in typing.get_args(kind) if a is not type(None))]
+        out.append((f.name, crosses, kind))
+    return out
 
 
 def _check_real(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossOptions)}

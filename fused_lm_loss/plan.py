@@ -11,10 +11,10 @@ dtype than the weight's, memory that the accumulator's cost already pays for:
   - with several chunks the returned dW is written once, after the loop has freed the chunk buffer, so
     the chunk may also take the returned dW's bytes.
 Either way the loss holds at most the accumulator + LOGITS_BUDGET_BYTES beyond inputs and gradients, plus
-the per-token gradients kept wider than returned until backward rounds them once (``row_grad_dtype``: an
+the per-token gradients saved wider than returned until backward rounds them once (``row_grad_dtype``: an
 fp32 dX is N x H x 2 bytes over bf16; one set per gradient component of ``token_stats``). Those are a term
 of their own, not charged to the budget: charging them split Qwen2.5-7B's batch into two chunks on the H200,
-8% slower (benchmarks/NOTES.md, session 9).
+8% slower (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ import torch
 
 from .backends import Backend
 from .distributed import Shard
+from .loss_terms import LossTerms
 from .options import LossOptions
+from .transform import LogitTransform
 
 #: Memory the chunk buffers may take when ``chunk_size`` is None: 240 MiB, so that with the small
 #: per-chunk temporaries the loss stays within 0.25 GiB beyond its inputs and gradients.
@@ -67,36 +69,33 @@ class Plan:
     backend: Backend
     shard: Shard
     needs: GradNeeds
-    # the loss: z = softcap(logit_scale * x), loss terms over shard.total classes
-    logit_scale: float
-    softcap: float | None
-    label_smoothing: float
-    z_loss: float
-    class_weight: torch.Tensor | None  # (V_shard,) fp32 on the device, or None
-    grad_z_loss: float  # z_loss as the gradient sees it (with class weights: rescaled, see ops.py)
+    # the loss: z = transform(x), the loss terms over shard.total classes (the gradient's z-loss may differ)
+    transform: LogitTransform  # what the head's logits still need (given logits already carry the model's part)
+    terms: LossTerms
+    grad_terms: LossTerms  # the terms as the gradient sees them (class weights rescale the z-loss: ops.py)
     need_argmax: bool  # the top-1 of each row (token accuracy)
     # rows and chunks
     n_rows: int
     chunk_rows: int
     tile_cols: int  # vocabulary columns per tile: all of this shard's (shard.size) unless tiled (vocab_tiling)
     stats_in_matmul: bool  # forward without gradients: statistics from the matmul epilogue, no logits chunk
-    kept_logits: str | None  # "store": forward writes the logits into the head's kept tensor for backward;
-    #                          "reuse": backward reads them there instead of recomputing; None: chunk buffer only
+    kept_logits: str | None  # the head's kept logits (keep_logits): "store" (forward writes them for backward),
+    #                          "reuse" (backward reads them instead of recomputing), None (a logits chunk buffer)
     # buffer dtypes (see the table in chunked.py)
     matmul_dtype: torch.dtype
     logits_dtype: torch.dtype
     grad_input_dtype: torch.dtype  # dX / du rows: wider than matmul_dtype when they are sums rounded once
-    accum_dtype: torch.dtype  # dW across chunks; the weight's dtype when there is one chunk (unless kept wide)
-    weight_grad_dtype: torch.dtype  # dW as returned: kept wide until backward where the memory allows
-    kept_dtype: torch.dtype  # the small per-vocabulary gradients (db, dB), kept until backward rounds them
-    split_grad: bool  # fp32 logits from bf16/fp16 operands: G kept as hi + lo
+    accum_dtype: torch.dtype  # dW across chunks; the weight's dtype when there is one chunk (unless saved wide)
+    weight_grad_dtype: torch.dtype  # dW as returned: saved wide until backward where the memory allows
+    saved_dtype: torch.dtype  # the small per-vocabulary gradients (db, dB), saved until backward rounds them
+    split_grad: bool  # fp32 logits from bf16/fp16 operands: G saved as hi + lo
     grad_components: int  # gradients made per chunk (each backpropagated into its own set of gradients)
     # gradient scale: each row's d(loss)/d(logits) is multiplied by grad_scale (times row_scale[i] if given)
     grad_scale: float
     overlap_grad_matmuls: bool  # CUDA: dX on a second stream beside dW
 
     def chunks(self):
-        """(start, end) of each chunk of the kept rows."""
+        """(start, end) of each chunk of the selected rows."""
         for start in range(0, self.n_rows, self.chunk_rows):
             yield start, min(start + self.chunk_rows, self.n_rows)
 
@@ -109,28 +108,18 @@ class Plan:
         for start in range(0, self.shard.size, self.tile_cols):
             yield start, min(start + self.tile_cols, self.shard.size)
 
-    @property
-    def need_sum(self) -> bool:
-        return self.label_smoothing > 0
 
-    @property
-    def loss_terms(self) -> dict:
-        """Keyword arguments of the backend's loss step."""
-        terms = dict(
-            logit_scale=self.logit_scale,
-            softcap=self.softcap,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            vocab_size=self.shard.total,
-        )
-        if self.class_weight is not None:
-            terms["class_weight"] = self.class_weight
-        return terms
-
-    @property
-    def grad_terms(self) -> dict:
-        """Keyword arguments of the backend's loss-gradient step."""
-        return {**self.loss_terms, "z_loss": self.grad_z_loss}
+def loss_terms(opts: LossOptions, shard: Shard, device: torch.device) -> LossTerms:
+    """The loss terms of a call: the options' smoothing and z-loss over the whole vocabulary, and the class
+    weights as the kernels read them ((V_shard,) fp32, contiguous, on ``device``)."""
+    class_weight = opts.class_weight
+    if class_weight is not None:
+        if class_weight.shape != (shard.size,):
+            raise ValueError(f"class_weight must have one weight per class: shape ({shard.size},), got "
+                             f"{tuple(class_weight.shape)}")
+        class_weight = class_weight.to(device=device, dtype=torch.float32).contiguous()
+    return LossTerms(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, vocab_size=shard.total,
+                     class_weight=class_weight)
 
 
 def make_plan(
@@ -144,29 +133,31 @@ def make_plan(
     grad_scale: float = 1.0,
     components: int = 1,
     epilogue_stats: bool = True,
-    class_weight: torch.Tensor | None = None,
-    grad_z_loss: float | None = None,
+    terms: LossTerms | None = None,
+    grad_terms: LossTerms | None = None,
     vocab_tiles: bool = False,
-    kept_logits: str | None = None,
 ) -> Plan:
-    """The plan of one call over the kept ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
-    an ``index`` when some were dropped, so that the head gathers the kept ones). ``head`` is a ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells
-    the device, the matmul dtype, the weight whose gradient is summed over chunks (``vocab_weight``), the
-    operands of a statistics-epilogue matmul (``stats_operands``), whether its logits already carry the
-    model's softcap / scale (``transformed``), and the bytes its per-chunk row copies take (``row_bytes``).
+    """The plan of one call over the selected ``rows`` (a ``chunked.Rows``: ``count`` of ``total`` tokens, and
+    an ``index`` when some were dropped, so that the head gathers the selected ones). ``head`` is a
+    ``chunked.LinearHead`` or ``chunked.GivenLogits``: it tells the device, the matmul dtype, the weight whose
+    gradient is summed over chunks (``vocab_weight``), the operands of a statistics-epilogue matmul
+    (``stats_operands``), whether its logits already carry the model's softcap / scale (``transformed``), the
+    bytes its per-chunk row copies take (``row_bytes``), and its kept logits (``kept_logits``: "store", a forward
+    that keeps all rows' logits for backward: no logits chunk, no statistics epilogue; "reuse", a backward that
+    reads them: each gradient component's G has a buffer of its own, the kept logits are never overwritten, so
+    retain_graph stays exact, and a chunk of all rows keeps to the budget: the vocabulary is tiled instead).
     ``components``: gradients the step makes per chunk (when ``needs`` has any); ``epilogue_stats``: whether
     the step's statistics are the loss's, which a no-grad forward may take from the matmul epilogue;
-    ``class_weight``: the (V_shard,) fp32 class weights on the device; ``grad_z_loss``: the z-loss coefficient
-    of the gradient when it differs from the loss's (class weights divide the z-loss by the token count);
-    ``vocab_tiles``: the step needs no statistics (a recompute in backward, the row's lse known), so a chunk may
-    cover a tile of the vocabulary instead of all of it (``vocab_tiling``); ``kept_logits``: "store" (a forward
-    that keeps all rows' logits for backward: no logits chunk, no statistics epilogue) or "reuse" (a backward
-    that reads them: each gradient component's G has a buffer of its own, the kept logits are never
-    overwritten, so retain_graph stays exact; and a chunk of all rows keeps to the budget: the vocabulary is
-    tiled instead).
+    ``terms``: the loss terms (``loss_terms``; default: none but the vocabulary size); ``grad_terms``: those of
+    the gradient when they differ (class weights divide the z-loss by the token count); ``vocab_tiles``: the step
+    needs no statistics (a recompute in backward, the row's lse known), so a chunk may cover a tile of the
+    vocabulary instead of all of it (``vocab_tiling``).
     """
     device, matmul_dtype, weight = head.device, head.matmul_dtype, head.vocab_weight
     n_rows, has_index = rows.count, rows.index is not None
+    terms = terms if terms is not None else LossTerms(vocab_size=shard.total)
+    class_weight = terms.class_weight
+    kept_logits = head.kept_logits_mode
     logits_dtype = matmul_dtype if head.transformed else (opts.logits_dtype or matmul_dtype)
     components = components if needs.any() else 0
     split_grad = needs.any() and logits_dtype != matmul_dtype
@@ -175,15 +166,15 @@ def make_plan(
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
     need_argmax = epilogue_stats and opts.return_token_accuracy
-    assert kept_logits in (None, "store", "reuse") and not (kept_logits == "store" and components)
+    assert not (kept_logits == "store" and components)
     stats_in_matmul = (
-        kept_logits is None and epilogue_stats and not needs.any() and operands is not None and class_weight is None and not need_argmax
-        and backend.supports_stats_in_matmul(*operands)
+        kept_logits is None and epilogue_stats and not needs.any() and operands is not None and class_weight is None
+        and not need_argmax and backend.supports_stats_in_matmul(*operands)
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
-    keep_dw_wide = needs.weight and weight is not None and keeps_weight_grad_wide(
+    wide_dw = needs.weight and weight is not None and saves_weight_grad_wide(
         opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
     )
     per_logit += max(components - 1, 0) * matmul_dtype.itemsize  # the earlier components' G buffers
@@ -194,11 +185,11 @@ def make_plan(
         max_rows = opts.chunk_size or rows_within(bytes_per_row, LOGITS_BUDGET_BYTES)
     else:
         bytes_per_row = shard.chunk_vocab * per_logit + row_bytes
-        wide_dw = needs.weight and weight is not None and accum_dtype != weight_dtype
+        accumulates_wide = needs.weight and weight is not None and accum_dtype != weight_dtype
         accumulator_bytes = result_bytes = 0
-        if keep_dw_wide:  # the kept dW holds its extra bytes over the returned dtype: the chunk may take them
+        if wide_dw:  # the saved dW holds its extra bytes over the returned dtype: the chunk may take them
             accumulator_bytes = result_bytes = weight.numel() * (accum_dtype.itemsize - weight_dtype.itemsize)
-        elif wide_dw:
+        elif accumulates_wide:
             accumulator_bytes = weight.numel() * accum_dtype.itemsize
             result_bytes = weight.numel() * weight_dtype.itemsize
         # The kept logits already hold N x V: their G takes no chunk of all rows beyond the budget (that chunk
@@ -209,23 +200,20 @@ def make_plan(
     tile_cols = shard.size
     # (not with vocab parallelism: every rank's chunks stay those of chunk_vocab, in step with the others)
     if (vocab_tiles and chunk_rows < n_rows and opts.chunk_size is None and not stats_in_matmul and not split_grad
-            and class_weight is None and components <= 1 and weight is not None and not keep_dw_wide
+            and class_weight is None and components <= 1 and weight is not None and not wide_dw
             and shard.group is None):
         chunk_rows, tile_cols = vocab_tiling(n_rows, shard.size, per_logit, row_bytes, chunk_rows,
                                              accum_dtype.itemsize, weight_dtype.itemsize, result_bytes)
-    if chunk_rows >= n_rows and not keep_dw_wide:  # one chunk: dW is one matmul (fp32 inside), rounded once
+    if chunk_rows >= n_rows and not wide_dw:  # one chunk: dW is one matmul (fp32 inside), rounded once
         accum_dtype = weight_dtype
 
     return Plan(
         backend=backend,
         shard=shard,
         needs=needs,
-        logit_scale=1.0 if head.transformed else opts.logit_scale,
-        softcap=None if head.transformed else opts.softcap,
-        label_smoothing=opts.label_smoothing,
-        z_loss=opts.z_loss,
-        class_weight=class_weight,
-        grad_z_loss=opts.z_loss if grad_z_loss is None else grad_z_loss,
+        transform=opts.transform.without_model_part() if head.transformed else opts.transform,
+        terms=terms,
+        grad_terms=grad_terms if grad_terms is not None else terms,
         need_argmax=need_argmax,
         n_rows=n_rows,
         chunk_rows=chunk_rows,
@@ -236,8 +224,8 @@ def make_plan(
         logits_dtype=logits_dtype,
         grad_input_dtype=grad_input_dtype,
         accum_dtype=accum_dtype,
-        weight_grad_dtype=accum_dtype if keep_dw_wide else weight_dtype,
-        kept_dtype=kept_dtype(opts, matmul_dtype),
+        weight_grad_dtype=accum_dtype if wide_dw else weight_dtype,
+        saved_dtype=saved_grad_dtype(opts, matmul_dtype),
         split_grad=split_grad,
         grad_components=components,
         grad_scale=grad_scale,
@@ -245,14 +233,14 @@ def make_plan(
     )
 
 
-def kept_dtype(opts: LossOptions, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a gradient made in forward is kept in until backward, which applies grad_output / scaling
+def saved_grad_dtype(opts: LossOptions, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient made in forward is saved in until backward, which applies grad_output / scaling
     and rounds it once to ``dtype``: ``accum_dtype`` where it is wider (fp32 by default)."""
     return torch.promote_types(opts.accum_dtype or dtype, dtype)
 
 
 def row_grad_dtype(opts: LossOptions, device: torch.device, matmul_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the per-token gradients (dX, du) made in forward: kept wide (``kept_dtype``; fp32 for the
+    """dtype of the per-token gradients (dX, du) made in forward: saved wide (``saved_grad_dtype``; fp32 for the
     hi + lo sum of fp32 logits) where the matmul writes it directly, so that backward rounds them once
     whatever grad_output is (and vocab shards' partials are summed before that rounding). On CUDA with
     torch < 2.8 (no fp32 output from bf16 operands) the matmul dtype: upcasting W every chunk costs more."""
@@ -260,7 +248,7 @@ def row_grad_dtype(opts: LossOptions, device: torch.device, matmul_dtype: torch.
         return matmul_dtype
     if opts.logits_dtype not in (None, matmul_dtype):
         return torch.float32
-    return kept_dtype(opts, matmul_dtype)
+    return saved_grad_dtype(opts, matmul_dtype)
 
 
 def bytes_per_logit(backend_name: str, logits_dtype: torch.dtype, matmul_dtype: torch.dtype, split_grad: bool) -> int:
@@ -270,17 +258,17 @@ def bytes_per_logit(backend_name: str, logits_dtype: torch.dtype, matmul_dtype: 
     return per_logit + (TORCH_BACKEND_TEMP_BYTES if backend_name == "torch" else 0)
 
 
-def keeps_weight_grad_wide(
+def saves_weight_grad_wide(
     opts: LossOptions, backend_name: str, n_tokens: int, chunk_vocab: int, weight: torch.Tensor, per_logit: int
 ) -> bool:
-    """Whether dW is kept in ``accum_dtype`` until backward (rounded once there, whatever grad_output is).
+    """Whether dW is saved in ``accum_dtype`` until backward (rounded once there, whatever grad_output is).
 
     Decided from shapes alone (the operator's output dtype must not depend on the data): yes when all
     ``n_tokens`` rows, ignored or not, fit in one chunk within LOGITS_BUDGET_BYTES plus what the wide dW
     costs over the weight's dtype. A larger batch keeps the weight's dtype, so that one chunk may still use
     the accumulator's memory (a single dW matmul, rounded once: exact when grad_output / scaling is 1).
     """
-    wide = kept_dtype(opts, weight.dtype)
+    wide = saved_grad_dtype(opts, weight.dtype)
     extra = weight.numel() * (wide.itemsize - weight.dtype.itemsize)
     return extra > 0 and n_tokens * chunk_vocab * per_logit <= LOGITS_BUDGET_BYTES + extra
 
@@ -288,20 +276,20 @@ def keeps_weight_grad_wide(
 def grad_dtypes(opts: LossOptions, device: torch.device, hidden: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, low_rank_weight: torch.Tensor | None, n_tokens: int,
                 chunk_vocab: int, backend_name: str) -> tuple:
-    """dtypes of (d hidden, d weight, d bias, d u, d B) as the operator returns them (its fake implementation
-    reads them here too): each kept wide until backward rounds it once, dW where the memory allows
-    (``keeps_weight_grad_wide``)."""
+    """dtypes of (d hidden, d weight, d bias, d u, d B) as the operators return them (``ops_common`` builds their
+    output specs from these): each saved wide until backward rounds it once, dW where the memory allows
+    (``saves_weight_grad_wide``)."""
     rows = row_grad_dtype(opts, device, hidden.dtype)
     logits_dtype = opts.logits_dtype or hidden.dtype
     split_grad = logits_dtype != hidden.dtype
     per_logit = bytes_per_logit(backend_name, logits_dtype, hidden.dtype, split_grad)
-    keep_dw_wide = keeps_weight_grad_wide(opts, backend_name, n_tokens, chunk_vocab, weight, per_logit)
+    wide_dw = saves_weight_grad_wide(opts, backend_name, n_tokens, chunk_vocab, weight, per_logit)
     return (
         rows,
-        kept_dtype(opts, weight.dtype) if keep_dw_wide else weight.dtype,
-        None if bias is None else kept_dtype(opts, bias.dtype),
+        saved_grad_dtype(opts, weight.dtype) if wide_dw else weight.dtype,
+        None if bias is None else saved_grad_dtype(opts, bias.dtype),
         rows,
-        None if low_rank_weight is None else kept_dtype(opts, low_rank_weight.dtype),
+        None if low_rank_weight is None else saved_grad_dtype(opts, low_rank_weight.dtype),
     )
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from .loss_terms import LossTerms, loss_from_stats
+from .transform import LogitTransform
+
 name = "torch"
 
 
@@ -22,8 +25,9 @@ def matmul_partials(*args, **kwargs):
 merge_partials = matmul_partial_bytes_per_row = matmul_partials
 
 
-def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, targets, summary = (count, min, max) of the kept labels); see kernels/kept_rows.py."""
+def select_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, targets, summary = (count, min, max) of the labels that carry a loss); see
+    kernels/select_rows.py."""
     # Compared as int64, as the kernel does: a narrower tensor compared with a Python int would wrap the int
     # into its dtype (uint8 labels != -100 is False for the label 156; int32 labels != 2**40 for 0).
     labels = labels.long()
@@ -35,28 +39,13 @@ def kept_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, to
     return positions, targets, torch.stack([torch.tensor(positions.numel(), device=labels.device), lowest, highest])
 
 
-def _loss_space(logits: torch.Tensor, logit_scale: float, softcap: float | None):
-    """fp32 loss-space logits z and, with softcap, tanh(.) for the chain rule."""
-    z = logits.float() * logit_scale
-    if softcap is None:
-        return z, None
-    capped = torch.tanh(z / softcap)
-    return capped * softcap, capped
-
-
 def row_stats(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    logit_scale: float,
-    softcap: float | None,
-    need_sum: bool,
-    class_weight: torch.Tensor | None = None,
+    logits: torch.Tensor, target: torch.Tensor, *, transform: LogitTransform, terms: LossTerms
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, sum-exp, target logit, logit sum) per row; the sum is weighted by ``class_weight`` when given,
-    sum_j w_j z_j with w_j z_j = 0 where w_j = 0 (a class of weight 0 adds nothing, even at a -inf logit;
-    F.cross_entropy's smoothing term gives NaN there, 0 * -inf, though its gradient is finite)."""
-    z, _ = _loss_space(logits, logit_scale, softcap)
+    """(max, sum-exp, target logit, logit sum) per row; the sum (only when ``terms.smooths``) is weighted by the
+    class weights when given, sum_j w_j z_j with w_j z_j = 0 where w_j = 0 (a class of weight 0 adds nothing, even
+    at a -inf logit; F.cross_entropy's smoothing term gives NaN there, 0 * -inf, though its gradient is finite)."""
+    z, _ = transform.apply(logits)
     row_max = z.amax(dim=1)
     # A row of -inf only: exponents relative to 0, not to its -inf max (-inf - -inf = NaN), so sum-exp 0 and
     # lse = -inf, as torch.logsumexp (and as the kernels: a vocab shard that is all -inf merges as nothing).
@@ -65,46 +54,12 @@ def row_stats(
     has_target = target >= 0
     target_logit = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
     target_logit = torch.where(has_target, target_logit, torch.zeros_like(target_logit))
-    if not need_sum:
+    weight = terms.class_weight
+    if not terms.smooths:
         logit_sum = torch.zeros_like(row_max)
     else:
-        logit_sum = (z if class_weight is None else torch.where(class_weight != 0, z * class_weight, 0.0)).sum(dim=1)
+        logit_sum = (z if weight is None else torch.where(weight != 0, z * weight, 0.0)).sum(dim=1)
     return row_max, row_sumexp, target_logit, logit_sum
-
-
-def loss_from_stats(
-    row_max: torch.Tensor,
-    row_sumexp: torch.Tensor,
-    target_logit: torch.Tensor,
-    logit_sum: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-    target_weight: torch.Tensor | None = None,
-    weight_sum: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and lse (fp32) from row statistics over the whole vocabulary::
-
-        loss = (1 - eps) * (lse - z_t) + eps * (lse - sum_z / V) + z_loss * lse**2
-
-    With class weights w (``target_weight`` = w_t per row, ``weight_sum`` = sum_j w_j, and ``logit_sum`` the
-    weighted sum_j w_j z_j), as F.cross_entropy combines them with smoothing::
-
-        loss = (1 - eps) * w_t * (lse - z_t) + (eps / V) * (weight_sum * lse - sum_j w_j z_j) + z_loss * lse**2
-    """
-    lse = row_max + torch.log(row_sumexp)
-    if target_weight is None:
-        loss = lse - (1.0 - label_smoothing) * target_logit
-        if label_smoothing > 0:
-            loss -= (label_smoothing / vocab_size) * logit_sum
-    else:
-        loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
-        if label_smoothing > 0:
-            loss += (label_smoothing / vocab_size) * (weight_sum * lse - logit_sum)
-    if z_loss > 0:
-        loss += z_loss * lse * lse
-    return loss, lse
 
 
 def row_losses(
@@ -113,18 +68,14 @@ def row_losses(
     loss_out: torch.Tensor,
     lse_out: torch.Tensor,
     *,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
-    class_weight: torch.Tensor | None = None,
+    transform: LogitTransform,
+    terms: LossTerms,
 ) -> None:
-    """Per-row loss and lse of a chunk holding the whole vocabulary (class weights: ``loss_from_stats``)."""
-    stats = row_stats(logits, target, logit_scale=logit_scale, softcap=softcap, need_sum=label_smoothing > 0,
-                      class_weight=class_weight)
-    weights = {} if class_weight is None else dict(target_weight=class_weight[target], weight_sum=class_weight.sum())
-    loss, lse = loss_from_stats(*stats, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size, **weights)
+    """Per-row loss and lse of a chunk holding the whole vocabulary (``loss_terms.loss_from_stats``)."""
+    stats = row_stats(logits, target, transform=transform, terms=terms)
+    weight = terms.class_weight
+    weights = {} if weight is None else dict(target_weight=weight[target], weight_sum=weight.sum())
+    loss, lse = loss_from_stats(*stats, terms, **weights)
     loss_out.copy_(loss)
     lse_out.copy_(lse)
 
@@ -135,35 +86,29 @@ def grad_logits(
     target: torch.Tensor,
     lse: torch.Tensor,
     *,
+    transform: LogitTransform,
+    terms: LossTerms,
     grad_scale: float,
     row_scale: torch.Tensor | None,
-    logit_scale: float,
-    softcap: float | None,
-    label_smoothing: float,
-    vocab_size: int,
-    z_loss: float,
     out_lo: torch.Tensor | None = None,
-    class_weight: torch.Tensor | None = None,
 ) -> None:
-    """d(loss)/d(logits) (kernels/grad_logits.py); with class weights w (see ``loss_from_stats``)::
+    """d(loss)/d(logits) (kernels/grad_logits.py); with class weights w (see ``loss_terms``)::
 
         dz_j = p_j ((1 - eps) w_t + eps W / V + 2 z_loss lse) - (1 - eps) w_t [j = t] - (eps / V) w_j
     """
-    z, capped = _loss_space(logits, logit_scale, softcap)
+    z, capped = transform.apply(logits)
     p = torch.exp(z - lse[:, None])
     rows = torch.nonzero(target >= 0).squeeze(1)
-    if class_weight is None:
-        grad = p * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / vocab_size
-        grad[rows, target[rows]] -= 1.0 - label_smoothing
+    eps, weight = terms.label_smoothing, terms.class_weight
+    if weight is None:
+        grad = p * (1.0 + 2.0 * terms.z_loss * lse)[:, None] - terms.smoothing_per_class
+        grad[rows, target[rows]] -= 1.0 - eps
     else:
-        w_t = torch.where(target >= 0, class_weight[target.clamp(min=0)], torch.zeros_like(lse))
-        coefficient = (1.0 - label_smoothing) * w_t + label_smoothing * class_weight.sum() / vocab_size
-        grad = p * (coefficient + 2.0 * z_loss * lse)[:, None] - (label_smoothing / vocab_size) * class_weight
-        grad[rows, target[rows]] -= (1.0 - label_smoothing) * w_t[rows]
-    scale = torch.full_like(lse, grad_scale * logit_scale) if row_scale is None else row_scale * (grad_scale * logit_scale)
-    grad *= scale[:, None]
-    if capped is not None:
-        grad *= 1.0 - capped * capped
+        w_t = torch.where(target >= 0, weight[target.clamp(min=0)], torch.zeros_like(lse))
+        coefficient = (1.0 - eps) * w_t + eps * weight.sum() / terms.vocab_size
+        grad = p * (coefficient + 2.0 * terms.z_loss * lse)[:, None] - terms.smoothing_per_class * weight
+        grad[rows, target[rows]] -= (1.0 - eps) * w_t[rows]
+    transform.chain(grad, capped, grad_scale, row_scale)
     out.copy_(grad)
     if out_lo is not None:
         out_lo.copy_(grad - out.float())
@@ -177,18 +122,16 @@ def token_stats(
     lse_out: torch.Tensor,
     argmax_out: torch.Tensor | None,
     *,
-    logit_scale: float,
-    softcap: float | None,
+    transform: LogitTransform,
 ) -> None:
     """Per row of a chunk that holds the whole vocabulary, with z the loss-space logits and p = softmax(z)::
 
         lse = log sum_j exp(z_j)      logprob = z_t - lse      entropy = lse - sum_j p_j z_j      argmax = first argmax_j z_j
 
     into the (rows,) fp32 outputs (argmax int64; skipped when None). p_j z_j is 0 where p_j is 0 (a -inf logit
-    carries no probability), as ``torch.distributions.Categorical(logits=z).entropy()`` has it. A temperature T
-    is a logit_scale and a softcap divided by T (softcap(s x) / T = (c / T) tanh((s / T) x / (c / T))).
+    carries no probability), as ``torch.distributions.Categorical(logits=z).entropy()`` has it.
     """
-    z, _ = _loss_space(logits, logit_scale, softcap)
+    z, _ = transform.apply(logits)
     row_max = z.amax(dim=1)
     shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
     e = torch.exp(z - shift[:, None])
@@ -212,8 +155,7 @@ def token_grad_logits(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     *,
-    logit_scale: float,
-    softcap: float | None,
+    transform: LogitTransform,
 ) -> None:
     """d(sum_i a_i logprob_i + b_i entropy_i) / d(raw logits) of a chunk or a tile of its columns (see
     ``token_stats``; target -1 where the label is elsewhere), a = grad_logprob, b = grad_entropy ((rows,) fp32,
@@ -221,9 +163,8 @@ def token_grad_logits(
 
         dz_j = a (delta_jt - p_j) + b p_j (E - z_j)        (p_j (E - z_j) = 0 where p_j = 0)
 
-    then the chain rule to the raw logits (logit_scale, and 1 - tanh^2 with softcap); into ``out`` (may be
-    ``logits``)."""
-    z, capped = _loss_space(logits, logit_scale, softcap)
+    then the chain rule to the raw logits (``transform.chain``); into ``out`` (may be ``logits``)."""
+    z, capped = transform.apply(logits)
     p = torch.exp(z - lse[:, None])
     grad = torch.zeros_like(z)
     if grad_logprob is not None:
@@ -233,7 +174,4 @@ def token_grad_logits(
     if grad_entropy is not None:
         expected_z = lse - entropy
         grad += grad_entropy[:, None] * torch.where(p > 0, p * (expected_z[:, None] - z), torch.zeros_like(p))
-    grad *= logit_scale
-    if capped is not None:
-        grad *= 1.0 - capped * capped
-    out.copy_(grad)
+    out.copy_(transform.chain(grad, capped))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def float64_logits(hidden, weight, bias=None, *, low_rank=None, logit_scale=1.0, softcap=None):
+def float64_logits(hidden, weight, bias=None, *, low_rank=None, logit_scale=1.0, softcap=None, temperature=1.0):
     """(float64 leaves by name, each requiring grad as its input does; the loss-space logits z computed from
-    them): z = softcap(logit_scale * (h @ W.T + b + u @ B.T))."""
+    them): z = softcap(logit_scale * (h @ W.T + b + u @ B.T)) / temperature."""
     named = {"hidden": hidden, "weight": weight, "bias": bias}
     if low_rank is not None:
         named["low_rank_input"], named["low_rank_weight"] = low_rank
@@ -23,7 +23,7 @@ def float64_logits(hidden, weight, bias=None, *, low_rank=None, logit_scale=1.0,
     z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    return leaves, z
+    return leaves, z / temperature
 
 
 def reference_loss(
@@ -38,6 +38,7 @@ def reference_loss(
     z_loss=0.0,
     softcap=None,
     logit_scale=1.0,
+    temperature=1.0,
     num_items_in_batch=None,
     low_rank=None,
     grad_output=None,
@@ -46,7 +47,8 @@ def reference_loss(
 
     For reduction="none" the gradients are those of sum(grad_output * loss) (grad_output defaults to ones).
     """
-    leaves, z = float64_logits(hidden, weight, bias, low_rank=low_rank, logit_scale=logit_scale, softcap=softcap)
+    leaves, z = float64_logits(hidden, weight, bias, low_rank=low_rank, logit_scale=logit_scale, softcap=softcap,
+                               temperature=temperature)
     lse = torch.logsumexp(z, dim=-1)
     valid = labels != ignore_index
     target = torch.where(valid, labels, torch.zeros_like(labels))

@@ -167,3 +167,75 @@ def test_token_stats_compile_fullgraph(frozen, sft, keep):
                 assert rel_err(g, p.grad) <= 1e-5
         step.zero_grad(set_to_none=True)
     assert counter.frame_count == 1
+
+
+OUTPUT_OPTIONS = {
+    "return_z_loss": dict(z_loss=1e-2, return_z_loss=True),
+    "return_token_accuracy": dict(return_token_accuracy=True),
+    "both_sum": dict(z_loss=1e-2, reduction="sum", return_z_loss=True, return_token_accuracy=True),
+    "none_with_extras": dict(z_loss=1e-2, reduction="none", return_z_loss=True, return_token_accuracy=True),
+    "none_keep_logits": dict(reduction="none", keep_logits=True, return_z_loss=True, z_loss=1e-2),
+    "class_weight_extras": dict(class_weight=torch.rand(V) + 0.5, return_z_loss=True, z_loss=1e-2,
+                                return_token_accuracy=True),
+}
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"] if TEST_DEVICE != "cpu" else ["torch"])
+@pytest.mark.parametrize("kind", OUTPUT_OPTIONS)
+def test_every_output_is_right_under_compile(kind, backend_name):
+    """Each option that adds or reshapes an output, compiled with fullgraph: every output used in arithmetic gives
+    eager's value and gradients (a fake implementation that described an output wrongly would change them)."""
+    options = dict(OUTPUT_OPTIONS[kind], chunk_size=16, temperature=0.9)
+    if "class_weight" in options:
+        options["class_weight"] = options["class_weight"].to(TEST_DEVICE)
+    step = Step(FusedLMLoss(**options))
+
+    def total(x, y):
+        out = step(x, y)
+        loss = out.loss * 1.0
+        if out.z_loss is not None:
+            assert out.z_loss.shape == out.loss.shape
+            loss = loss + 100.0 * out.z_loss
+        if out.token_accuracy is not None:
+            assert out.token_accuracy.shape == out.loss.shape
+            loss = loss + 10.0 * out.token_accuracy
+        return loss * torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view(loss.shape)
+
+    compiled = torch.compile(total, fullgraph=True)
+    with fused_lm_loss.use_backend(backend_name):
+        for x, y in _batches(2):
+            got = compiled(x, y)
+            got.sum().backward()
+            got_grads = [p.grad.clone() for p in step.parameters()]
+            step.zero_grad(set_to_none=True)
+            want = total(x, y)
+            want.sum().backward()
+            assert got.shape == want.shape and rel_err(got, want) <= 1e-5
+            for g, p in zip(got_grads, step.parameters()):
+                assert rel_err(g, p.grad) <= 1e-5
+            step.zero_grad(set_to_none=True)
+
+
+def test_every_token_stats_output_is_right_under_compile():
+    """All five token_stats outputs used in arithmetic under fullgraph compile, against eager."""
+    from fused_lm_loss import token_stats
+
+    step = Step(None)
+
+    def total(x, y):
+        out = token_stats(step.proj(x), step.head, y, temperature=0.8, softcap=7.0)
+        return (out.logprobs + 0.1 * out.entropy + 0.01 * out.lse + out.is_top1.float()
+                + (out.argmax + 1).float() / V).sum()
+
+    compiled = torch.compile(total, fullgraph=True)
+    for x, y in _batches(2):
+        got = compiled(x, y)
+        got.backward()
+        got_grads = [p.grad.clone() for p in step.parameters()]
+        step.zero_grad(set_to_none=True)
+        want = total(x, y)
+        want.backward()
+        assert rel_err(got, want) <= 1e-6
+        for g, p in zip(got_grads, step.parameters()):
+            assert rel_err(g, p.grad) <= 1e-5
+        step.zero_grad(set_to_none=True)

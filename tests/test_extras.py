@@ -9,13 +9,15 @@ from fused_lm_loss import FusedLMLoss
 from .reference import make_inputs, rel_err
 
 
-def _reference(hidden, weight, labels, *, class_weight, reduction, label_smoothing, z_loss, softcap=None):
+def _reference(hidden, weight, labels, *, class_weight, reduction, label_smoothing, z_loss, softcap=None,
+               temperature=1.0):
     """F.cross_entropy(weight=...) in float64 on the logits, plus the z-loss (unweighted; "mean": / tokens)."""
     h = hidden.detach().double().requires_grad_(hidden.requires_grad)
     w = weight.detach().double().requires_grad_(weight.requires_grad)
     z = h @ w.T
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     loss = F.cross_entropy(z, labels, weight=None if class_weight is None else class_weight.double(),
                            label_smoothing=label_smoothing, reduction=reduction)
     kept = labels != -100
@@ -41,18 +43,20 @@ def _reference(hidden, weight, labels, *, class_weight, reduction, label_smoothi
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("weighted", [True, False], ids=["class_weight", "unweighted"])
-def test_class_weights_and_extras_match_pytorch(backend, reduction, label_smoothing, z_loss, weighted):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_class_weights_and_extras_match_pytorch(backend, reduction, label_smoothing, z_loss, weighted, temperature):
     hidden, weight, labels, _ = make_inputs(41, 16, 73)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
     class_weight = torch.rand(73) * 2 if weighted else None
     loss_fn = FusedLMLoss(class_weight=class_weight, reduction=reduction, label_smoothing=label_smoothing,
-                          z_loss=z_loss, softcap=6.0, chunk_size=16, return_z_loss=True, return_token_accuracy=True)
+                          z_loss=z_loss, softcap=6.0, temperature=temperature, chunk_size=16, return_z_loss=True,
+                          return_token_accuracy=True)
     out = loss_fn(hidden, weight, labels)
     out.loss.sum().backward()
     want, want_z, want_accuracy, grad_h, grad_w = _reference(
         hidden, weight, labels, class_weight=class_weight, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, softcap=6.0,
+        z_loss=z_loss, softcap=6.0, temperature=temperature,
     )
     assert rel_err(out.loss, want) <= 2e-5
     assert rel_err(out.z_loss, want_z) <= 2e-5

@@ -16,6 +16,8 @@ OPTION_SETS = {
     "logit_scale": {"logit_scale": 0.6},
     "all": {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 5.0, "logit_scale": 1.3},
     "full_smoothing_ignore7": {"label_smoothing": 1.0, "ignore_index": 7},
+    "temperature": {"temperature": 0.7},
+    "temperature_all": {"temperature": 1.9, "softcap": 5.0, "logit_scale": 1.3, "label_smoothing": 0.1, "z_loss": 1e-2},
 }
 FROZEN = {"all_trainable": (True, True), "hidden_frozen": (False, True), "head_frozen": (True, False)}
 

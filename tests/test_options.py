@@ -1,9 +1,13 @@
 """Every option is validated at construction; bad tensors get a clear Python error."""
+import dataclasses
+
 import pytest
 import torch
 
 from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
 from fused_lm_loss.integrations import causal_lm_loss
+from fused_lm_loss.ops_common import encode
+from fused_lm_loss.options import UNSUPPORTED, LossOptions, check_supported
 
 from .reference import make_inputs
 
@@ -24,6 +28,10 @@ BAD_OPTIONS = [
     ({"logits_dtype": torch.bfloat16}, "logits_dtype"),
     ({"grad_scaler": object()}, "grad_scaler"),
     ({"vocab_start": 0, "vocab_size": 10}, "process_group"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": True}, "temperature"),
 ]
 
 
@@ -84,10 +92,107 @@ def test_repr_shows_changed_options():
 
 
 def test_bad_label_among_ignored_ones_raises(backend):
-    """The label range is checked over the kept labels only: -100 passes, a bad label next to it does not."""
+    """The label range is checked over the selected labels only: -100 passes, a bad label next to it does not."""
     hidden, weight, labels, _ = make_inputs(6, 8, 10, ignore_frac=0.0)
     labels[::2] = -100
     FusedLMLoss()(hidden, weight, labels)  # fine
     labels[1] = 10
     with pytest.raises(ValueError, match="outside"):
         FusedLMLoss()(hidden, weight, labels)
+
+
+# ---- the option schema: one dataclass, generated operator arguments, one table of what each call honours ----
+
+# A value other than the default for every option (a process group is any object until it is used)
+SET_VALUES = dict(
+    ignore_index=-1, reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=0.5,
+    temperature=0.7, chunk_size=4, accum_dtype=None, logits_dtype=torch.float32,
+    grad_scaler=torch.amp.GradScaler("cpu", enabled=False),
+    process_group=object(), vocab_start=0, reduce_grad_input=False, class_weight=torch.ones(10),
+    return_z_loss=True, return_token_accuracy=True, keep_logits=True,
+)
+
+
+def test_every_option_has_a_set_value_here():
+    assert set(SET_VALUES) | {"vocab_size"} == {f.name for f in dataclasses.fields(LossOptions)}
+
+
+@pytest.mark.parametrize("where", list(UNSUPPORTED))
+def test_check_supported_refuses_exactly_the_table(where):
+    """Each option refused for ``where`` raises there, naming it; every other option passes."""
+    for name, value in SET_VALUES.items():
+        values = {name: value}
+        if name == "vocab_start":
+            values.update(vocab_size=10, process_group=object())
+        opts = LossOptions.trusted(**values)
+        refused = [n for n in values if n in UNSUPPORTED[where]]
+        if refused:
+            with pytest.raises(ValueError, match=refused[0]):
+                check_supported(opts, where)
+        else:
+            check_supported(opts, where)
+
+
+@pytest.mark.parametrize("name", sorted(set(UNSUPPORTED["logits"]) - {"process_group"}))  # (a group: distributed)
+def test_logits_loss_refuses_what_needs_hidden_states(name):
+    hidden, weight, labels, _ = _good()
+    values = {name: SET_VALUES[name]}
+    with pytest.raises(ValueError, match=name):
+        causal_lm_loss(LossOptions(**values), hidden @ weight.T, labels, 10)
+
+
+def test_options_cross_the_operator_boundary_unchanged():
+    """encode / decode (the operators' generated option arguments) give back every option, by name."""
+    from fused_lm_loss.ops_common import KEYWORD_OPTIONS, TENSOR_OPTIONS, decode, encode
+
+    opts = LossOptions(**{k: v for k, v in SET_VALUES.items()
+                          if k not in ("process_group", "vocab_start", "return_token_accuracy", "grad_scaler")})
+    back = decode(*encode(opts))
+    for f in dataclasses.fields(LossOptions):
+        if f.name != "grad_scaler":  # read on the host before the call: not an operator argument
+            assert getattr(back, f.name) is getattr(opts, f.name) or getattr(back, f.name) == getattr(opts, f.name)
+    names = set(TENSOR_OPTIONS) | {n for n, _, _ in KEYWORD_OPTIONS}
+    assert names == {f.name for f in dataclasses.fields(LossOptions)} - {"grad_scaler"}
+
+
+OPCHECK_OPTIONS = {
+    "default": {},
+    "mean_extras": dict(z_loss=1e-2, return_z_loss=True, return_token_accuracy=True, temperature=0.8),
+    "none_extras": dict(reduction="none", z_loss=1e-2, return_z_loss=True, return_token_accuracy=True),
+    "none_keep_logits": dict(reduction="none", keep_logits=True, softcap=4.0),
+    "class_weight": dict(class_weight=torch.rand(10) + 0.5, label_smoothing=0.1),
+    "fp32_logits_sum": dict(reduction="sum", logits_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("kind", OPCHECK_OPTIONS)
+def test_loss_operator_passes_opcheck(kind):
+    """torch.library.opcheck: the schema, the fake implementation (shapes and dtypes of every output, from the
+    same spec as the real one), and the autograd registration agree, for each option set."""
+    from fused_lm_loss import ops
+
+    opts = LossOptions(chunk_size=4, **OPCHECK_OPTIONS[kind])
+    hidden, weight, labels, _ = make_inputs(9, 8, 10, dtype=torch.bfloat16 if opts.logits_dtype else torch.float32)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    needs = [True, True, False, False, False]
+    tensors, keywords = encode(opts)
+    args = (hidden, weight, None, None, None, labels, None, None, 1.0, needs, *tensors)
+    torch.library.opcheck(ops.linear_cross_entropy.op, args, keywords,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("expected_grads", ["logprobs", "logprobs_and_entropy", "uniform"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_token_operator_passes_opcheck(expected_grads, frozen):
+    from fused_lm_loss import token_ops
+
+    opts = LossOptions(chunk_size=4, temperature=0.8, keep_logits=True)
+    hidden, weight, labels, _ = make_inputs(9, 8, 10)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(not frozen)
+    needs = [True, not frozen, False, False, False]
+    tensors, keywords = encode(opts)
+    args = (hidden, weight, None, None, None, labels, needs, expected_grads, *tensors)
+    torch.library.opcheck(token_ops.linear_token_stats.op, args, keywords,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -3,7 +3,7 @@ weights, against float64 autograd on the full logits; and which strategy backwar
 import pytest
 import torch
 
-import fused_lm_loss.per_token as per_token
+import fused_lm_loss.token_ops as token_ops
 from fused_lm_loss import FusedLMLoss, token_stats
 
 from .reference import float64_logits, make_inputs, rel_err
@@ -70,8 +70,8 @@ def test_matches_float64_reference(backend, expected, head, a_kind, b_kind):
 
 def _count_recomputes(monkeypatch):
     calls = []
-    original = per_token.run_chunks
-    monkeypatch.setattr(per_token, "run_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = token_ops.run_chunks
+    monkeypatch.setattr(token_ops, "run_chunks", lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
@@ -129,8 +129,8 @@ def test_uniform_weights_rescale_the_forward_gradients(backend, monkeypatch, hea
     hidden.requires_grad_(True)
     weight.requires_grad_(head == "trainable")
     factors = []
-    original = per_token._apply_factor
-    monkeypatch.setattr(per_token, "_apply_factor", lambda g, d, f: factors.append(f) or original(g, d, f))
+    original = token_ops.apply_factor
+    monkeypatch.setattr(token_ops, "apply_factor", lambda g, d, f: factors.append(f) or original(g, d, f))
     calls = _count_recomputes(monkeypatch)
     out = token_stats(hidden, weight, labels, expected_grads="uniform")
     kept = labels != -100

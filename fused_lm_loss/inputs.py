@@ -1,0 +1,163 @@
+"""The tensors of a call, checked on the host before any kernel runs: a clear ``TypeError`` / ``ValueError`` for
+anything the fused computations cannot take (a wrong shape, dtype or device, a DTensor shard, a non-integer label),
+autocast applied as ``nn.Linear`` applies it, and the per-call values (``num_items_in_batch``, the gradient scale)
+in the form the operators take. Shared by ``loss.py`` and ``per_token.py``.
+
+Example::
+
+    tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank=None)   # (h, W, b, u, B), grads asked
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .options import MATMUL_DTYPES, LossOptions
+
+
+def linear_inputs(
+    hidden: Any, weight: Any, labels: Any, bias: Any, low_rank: Any
+) -> tuple[tuple[torch.Tensor | None, ...], list[bool]]:
+    """((hidden, weight, bias, u, B) after autocast, which of them need a gradient) of a call on hidden states."""
+    check_tensors(hidden, weight, labels, bias)
+    if low_rank is not None:
+        check_low_rank(low_rank, hidden, weight)
+    tensors = matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
+    grad_mode = torch.is_grad_enabled()
+    return tensors, [grad_mode and t is not None and t.requires_grad for t in tensors]
+
+
+def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        reject_dtensor(name, t)
+    if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
+        raise ValueError(
+            f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
+        )
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"expected hidden (..., H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden size mismatch: hidden (..., {hidden.shape[-1]}) vs weight {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight has no vocabulary rows")
+    check_labels(labels, hidden.shape[:-1], hidden.device)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.dtype != weight.dtype:
+            raise ValueError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
+    devices = {t.device for t in (hidden, weight, bias) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"hidden, weight and bias must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_logits(logits: Any, labels: Any) -> None:
+    """Logits that already exist, (..., V) float, and their labels."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("logits and labels must be tensors")
+    reject_dtensor("logits", logits)
+    if logits.dtype not in MATMUL_DTYPES or logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be float32, bfloat16 or float16 of shape (..., V >= 1); got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    check_labels(labels, logits.shape[:-1], logits.device)
+
+
+def check_labels(labels: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    """Labels: integer class ids (any integer dtype, any strides), one per token, on the tensors' device."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
+    if labels.shape != shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal the tokens' shape {tuple(shape)}")
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but the other tensors on {device}; move them first")
+
+
+def reject_dtensor(name: str, t: Any) -> None:
+    """A DTensor is an FSDP2 / tensor-parallel shard: computing with it would silently use part of the weight."""
+    if t is None or not torch.distributed.is_available():
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        from torch.distributed._tensor import DTensor
+
+    if isinstance(t, DTensor):
+        raise ValueError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}): the fused loss needs plain tensors. For an "
+            "FSDP2-sharded lm_head, compute the loss inside the lm_head module's forward, where FSDP has "
+            "all-gathered the weight; for vocab parallelism pass the local shard (.to_local()) and process_group"
+        )
+
+
+def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
+        raise ValueError("low_rank must be a pair (u, B): u (..., r) per token, B (V, r)")
+    u, b = low_rank
+    if not isinstance(u, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"low_rank must be a pair of tensors (u, B), got ({type(u).__name__}, {type(b).__name__})")
+    reject_dtensor("low_rank u", u)
+    reject_dtensor("low_rank B", b)
+    if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
+        raise ValueError(
+            f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "
+            f"got {tuple(u.shape)} and {tuple(b.shape)}"
+        )
+    if u.device != hidden.device or b.device != hidden.device:
+        raise ValueError("low_rank tensors must be on the device of hidden")
+
+
+def matmul_inputs(hidden, weight, bias, low_rank_input, low_rank_weight) -> tuple[torch.Tensor | None, ...]:
+    """Under autocast, cast to its dtype as nn.Linear would; otherwise all matmul operands must agree."""
+    tensors = (hidden, weight, bias, low_rank_input, low_rank_weight)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return tuple(None if t is None else t.to(dtype) for t in tensors)
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and the other operands must share one dtype, got "
+            f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast"
+        )
+    return tensors
+
+
+def resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+    """(scale tensor or None, scaling): ``scaling`` if given, else the GradScaler's current scale (its tensor,
+    read inside the operator, so that no host sync happens here), else 1."""
+    if isinstance(scaling, torch.Tensor):
+        return scaling, 1.0
+    if scaling is not None:
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
+            raise ValueError(f"scaling must be a finite number >= 0, got {scaling!r}")
+        return None, float(scaling)
+    scaler = opts.grad_scaler
+    if scaler is None:
+        return None, 1.0
+    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None  # torch.amp.GradScaler
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0
+    return None, float(scaler.get_scale())
+
+
+def num_items_tensor(num_items_in_batch: Any, opts: LossOptions) -> torch.Tensor | None:
+    """``num_items_in_batch`` (a number or a tensor, as transformers passes it) as a tensor, or None."""
+    if num_items_in_batch is None:
+        return None
+    if opts.reduction != "mean":
+        raise ValueError(f"num_items_in_batch divides the loss and needs reduction='mean', not {opts.reduction!r}")
+    if opts.class_weight is not None:
+        raise ValueError("num_items_in_batch with class_weight: the mean divides by the summed weights of the targets "
+                         "(as F.cross_entropy); pass reduction='sum' and divide yourself to use another denominator")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(num_items_in_batch.shape)}")
+        return num_items_in_batch
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
+        raise ValueError(f"num_items_in_batch must be a number or a tensor, got {num_items_in_batch!r}")
+    return torch.tensor(float(num_items_in_batch), dtype=torch.float64)
