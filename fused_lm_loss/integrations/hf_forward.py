@@ -10,6 +10,7 @@ from torch import nn
 
 from ..loss import lm_loss
 from ..options import LossOptions
+from ..transform import LogitTransform
 from . import peft as peft_integration
 from .hf_loss import shifted_labels
 
@@ -124,9 +125,8 @@ def checked_model_loss(
     """``model_loss`` (a copy) after two checks of a patched training forward: the model's ops between lm_head
     and the loss made of the probe exactly what logit_scale / softcap make of it, and the model's loss is not
     NaN where the fused loss is finite (it read its NaN-filled logits after loss_function)."""
-    expected = torch.tensor(_PROBE_VALUES, dtype=torch.float32, device=transformed_probe.device) * logit_scale
-    if softcap is not None:
-        expected = torch.tanh(expected / softcap) * softcap
+    model_part = LogitTransform(scale=logit_scale, softcap=softcap)  # (the temperature is the loss's, not the model's)
+    expected, _ = model_part.apply(torch.tensor(_PROBE_VALUES, dtype=torch.float32, device=transformed_probe.device))
     rtol = max(4 * torch.finfo(transformed_probe.dtype).eps, 1e-5)
     observed = transformed_probe.reshape(-1, len(_PROBE_VALUES)).float()
     if not torch.allclose(observed, expected.expand_as(observed), rtol=rtol, atol=0.0):

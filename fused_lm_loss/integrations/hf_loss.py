@@ -31,7 +31,7 @@ def causal_lm_loss(
     """transformers' ``ForCausalLMLoss`` with the options of a FusedLMLoss.
 
     The logits already went through the model's softcap / scale, so ``opts.softcap`` and
-    ``opts.logit_scale`` are not applied again; label smoothing, z-loss and the reduction are.
+    ``opts.logit_scale`` are not applied again; the temperature, label smoothing, z-loss and the reduction are.
 
     Example::
 

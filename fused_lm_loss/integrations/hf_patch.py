@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..loss import FusedLMLoss
-from ..options import LossOptions
+from ..options import LossOptions, check_supported
 from . import peft as peft_integration
 from . import trl as trl_integration
 from .hf_config import model_options, unsupported
@@ -95,7 +95,7 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
     object.__setattr__(target, "forward", _FusedForward(target, target.forward))
     _HeadForward.install(target.get_output_embeddings(), state)
     target.__class__ = _swapped_class(type(target))
-    trl_integration.register(target)  # TRL's fused LM head, if TRL is installed, runs on our kernels for it
+    trl_integration.register(target, patched_options)  # TRL's fused LM head (if installed) runs on our kernels
     return model
 
 
@@ -193,14 +193,7 @@ def _merge_options(user: LossOptions, model_options: dict, grad_scaler: Any, mod
                 f"{name}={mine} contradicts {type(model).__name__}, whose forward applies {name}={theirs}: "
                 f"leave {name} unset, the patched model takes it from its config"
             )
-    if user.process_group is not None:
-        raise ValueError("patch() does not handle a vocab-parallel FusedLMLoss (process_group); use the core API")
-    if user.return_z_loss or user.return_token_accuracy:
-        raise ValueError("patch(): the model returns its loss; return_z_loss / return_token_accuracy are for direct "
-                         "FusedLMLoss calls")
-    if user.class_weight is not None:
-        raise ValueError("patch(): transformers divides the loss by num_items_in_batch, a token count, which class "
-                         "weights redefine; use FusedLMLoss(class_weight=...) on the hidden states directly")
+    check_supported(user, "patch", f"patch({type(model).__name__})")
     scaler = grad_scaler if user.grad_scaler is None else user.grad_scaler
     return dataclasses.replace(user, **model_options, grad_scaler=scaler)
 

@@ -9,9 +9,11 @@ for the lm_head weight of a model patched by ``fused_lm_loss.patch`` it computes
 ``token_stats``; for any other model it calls TRL's own function. Patching before or after the trainer is built
 is the same (the lookup is per call). The TRL versions this was tested with are ``SUPPORTED``; others raise.
 
-A patched model's ``FusedLMLoss(keep_logits=True)`` keeps the logits for the RL trainers' backward (one matmul
-fewer, N x V values more memory; see FusedLMLoss). What TRL's head cannot express is refused, never dropped: a patched model's FusedLMLoss with label smoothing,
-a z-loss, fp32 logits or vocab parallelism raises at the first call. Outputs we do not compute
+The patched model's FusedLMLoss options apply: ``chunk_size`` (None: chunks sized by memory, in place of TRL's
+fixed chunk), ``accum_dtype`` and ``keep_logits`` (the logits kept for the RL trainers' backward: one matmul fewer,
+N x V values more memory; see FusedLMLoss); the temperature, softcap and logit scale are those TRL passes. What
+TRL's head cannot express is refused, never dropped (``options.UNSUPPORTED["trl"]``): a patched model's
+FusedLMLoss with e.g. label smoothing, a z-loss or fp32 logits raises at the first call. Outputs we do not compute
 ("log_sum_sq_probs", "mean_logits": DPO's weighting and logit metrics) and DeepSpeed ZeRO-3 sharded heads run
 TRL's own function, with a warning.
 
@@ -20,33 +22,38 @@ not make in training; ``check_caller`` raises a clear error there instead of TRL
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..per_token import token_stats
+from ..options import LossOptions, check_supported
+from ..per_token import token_stats_with
 
 SUPPORTED = ("1.16.0",)
 _COMPUTED = ("log_probs", "entropy", "is_top1")
-_patched_models: "weakref.WeakSet" = weakref.WeakSet()
+# patched model -> the function that gives its options (hf_patch.patched_options; held here, not imported: the
+# patch imports this module)
+_patched_models: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _trl_function: Any = None  # TRL's own _ChunkedLogProbFunction, once replaced
 _warned: set = set()
 
 
-def register(model: torch.nn.Module) -> None:
-    """Called by patch(): route TRL's fused-head calls for this model's lm_head to our kernels."""
+def register(model: torch.nn.Module, options_of: Callable[[torch.nn.Module], LossOptions]) -> None:
+    """Called by patch(): route TRL's fused-head calls for this model's lm_head to our kernels, with the options
+    ``options_of(model)`` gives at each call (the loss may be reassigned)."""
     if "trl" not in sys.modules and importlib.util.find_spec("trl") is None:
         return
-    _patched_models.add(model)
+    _patched_models[model] = options_of
     install()
 
 
 def unregister(model: torch.nn.Module) -> None:
-    _patched_models.discard(model)
+    _patched_models.pop(model, None)
 
 
 def install() -> None:
@@ -104,18 +111,14 @@ class FusedLogProbs:
             _warn_once(reason, f"fused_lm_loss: {reason}: TRL's own fused LM head runs for this call")
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
-        opts = _refuse_options(model)
+        opts = _trl_options(model, temperature, softcap, logit_scale)
         if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # cast_lm_head_to_fp32: fp32 hidden states, the head in fp32
             bias = None if bias is None else bias.to(hidden.dtype)
         # SFT asks for the top-1 (token accuracy) and differentiates the mean of the log-probabilities; RL trainers
         # weight them per token. Only the cost depends on this guess (per_token.py).
         expected = "uniform" if "is_top1" in outputs else "logprobs"
-        out = token_stats(
-            hidden, weight, targets, bias, temperature=float(temperature), logit_scale=float(logit_scale),
-            softcap=None if softcap is None else float(softcap), expected_grads=expected,
-            keep_logits=opts.keep_logits,
-        )
+        out = token_stats_with(opts, hidden, weight, targets, bias, expected_grads=expected)
         return (
             out.logprobs,
             out.entropy if "entropy" in outputs else None,
@@ -134,25 +137,13 @@ def _cannot_serve(weight: torch.Tensor, outputs) -> str | None:
     return None
 
 
-def _refuse_options(model):
-    """The patched model's options, after refusing those TRL's head cannot express."""
-    from .hf_patch import patched_options
-
-    opts = patched_options(model)
-    unsupported = {
-        "label_smoothing": opts.label_smoothing > 0,
-        "z_loss": opts.z_loss > 0,
-        "logits_dtype": opts.logits_dtype is not None,
-        "process_group": opts.process_group is not None,
-    }
-    names = [name for name, set_ in unsupported.items() if set_]
-    if names:
-        raise ValueError(
-            f"fused_lm_loss: the patched model's FusedLMLoss sets {', '.join(names)}, which TRL's fused LM head "
-            "cannot express (TRL's loss is computed from per-token log-probabilities). Drop those options for TRL, "
-            "or train with transformers' Trainer, where patch() applies them"
-        )
-    return opts
+def _trl_options(model, temperature, softcap, logit_scale) -> LossOptions:
+    """The patched model's options for TRL's head: those TRL's head cannot honour raise (``options.UNSUPPORTED``);
+    the temperature, softcap and logit scale are the ones TRL passes."""
+    opts = _patched_models[model](model)
+    check_supported(opts, "trl", "the patched model's FusedLMLoss, under TRL's fused LM head")
+    return dataclasses.replace(opts, temperature=float(temperature), logit_scale=float(logit_scale),
+                               softcap=None if softcap is None else float(softcap))
 
 
 def _warn_once(key: str, message: str) -> None:

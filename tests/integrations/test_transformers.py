@@ -287,3 +287,38 @@ def test_importing_has_no_global_side_effect():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0", "1"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_temperature_on_a_patched_model(family):
+    """FusedLMLoss(temperature=T) on a patched model (with the model's own softcap, for Gemma 2): the training
+    loss and gradients and the eval loss (from the model's logits) equal cross-entropy of logits / T computed
+    here, in float64 from the unpatched model's logits."""
+    temperature, smoothing = 0.7, 0.1
+    model = make_model(family)
+    ref = twin(model)
+    fused_lm_loss.patch(model, FusedLMLoss(temperature=temperature, label_smoothing=smoothing))
+    batch = make_batch()
+    out, got = _train_step(model, **batch)
+
+    def reference(logits):
+        targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.double().flatten(0, 1) / temperature, targets.flatten(),
+                               label_smoothing=smoothing)
+
+    ref.zero_grad(set_to_none=True)
+    want_loss = reference(ref(input_ids=batch["input_ids"]).logits)
+    want_loss.backward()
+    assert rel_err(out.loss.detach(), want_loss.detach()) <= 2e-5
+    assert_close_grads(got, grads(ref))
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(**batch).loss
+        assert rel_err(eval_loss, reference(ref.eval()(input_ids=batch["input_ids"]).logits)) <= 2e-5
+
+
+@pytest.mark.parametrize("options", [dict(return_z_loss=True), dict(return_token_accuracy=True),
+                                     dict(class_weight=torch.ones(VOCAB))], ids=lambda o: next(iter(o)))
+def test_patch_refuses_what_a_model_loss_cannot_return(options):
+    with pytest.raises(ValueError, match=next(iter(options))):
+        fused_lm_loss.patch(make_model(), FusedLMLoss(**options))

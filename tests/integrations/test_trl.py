@@ -78,8 +78,8 @@ def _train(tmp_path, *, impl: str, kind: str = "plain", lora: bool = False, grad
         fused_lm_loss.patch(trainer.model, loss_fn)
     calls = []
     if monkeypatch is not None:
-        original = trl_integration.token_stats
-        monkeypatch.setattr(trl_integration, "token_stats", lambda *a, **k: calls.append(1) or original(*a, **k))
+        original = trl_integration.token_stats_with
+        monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return trainer.state.log_history, params, len(calls)
@@ -118,6 +118,51 @@ def test_options_trls_head_cannot_express_are_refused(tmp_path):
         _train(tmp_path, impl="patched_after", loss_fn=fused_lm_loss.FusedLMLoss(z_loss=1e-4))
 
 
+@pytest.mark.parametrize("options", [
+    dict(label_smoothing=0.1), dict(z_loss=1e-4), dict(temperature=0.5), dict(ignore_index=-1),
+    dict(reduction="sum"), dict(logits_dtype=torch.float32),
+], ids=lambda o: next(iter(o)))
+def test_every_option_trls_head_cannot_honour_raises_at_the_call(options):
+    """Each option of the patched loss that TRL's head cannot honour raises at the first call, naming it."""
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    model = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(**options))
+    w = model.get_output_embeddings().weight
+    with pytest.raises(ValueError, match=next(iter(options))):
+        _ChunkedLogProbFunction.apply(torch.randn(4, 32), w, None, torch.randint(0, VOCAB, (4,)), 1.0, 32768, None,
+                                      1.0, ("log_probs", "entropy"))
+
+
+def test_chunk_size_and_accum_dtype_reach_trls_calls(monkeypatch):
+    """The patched loss's chunk_size and accum_dtype are honoured under TRL's head (never silently dropped), and
+    TRL's temperature / softcap / logit scale are applied: outputs and gradients against float64."""
+    import fused_lm_loss.token_ops as token_ops
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    plans, options = [], []
+    make_plan, token_stats_with = token_ops.make_plan, trl_integration.token_stats_with
+    monkeypatch.setattr(token_ops, "make_plan", lambda *a, **k: plans.append(make_plan(*a, **k)) or plans[-1])
+    monkeypatch.setattr(trl_integration, "token_stats_with",
+                        lambda opts, *a, **k: options.append(opts) or token_stats_with(opts, *a, **k))
+    model = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(chunk_size=3, accum_dtype=None))
+    w = model.get_output_embeddings().weight
+    hidden, targets = torch.randn(10, 32, requires_grad=True), torch.randint(0, VOCAB, (10,))
+    temperature, softcap, scale = 0.7, 5.0, 1.3
+    lp, entropy, *_ = _ChunkedLogProbFunction.apply(hidden, w, None, targets, temperature, 32768, softcap, scale,
+                                                    ("log_probs", "entropy"))
+    a = torch.randn(10)
+    (lp * a).sum().backward()
+    assert plans and all(p.chunk_rows == 3 for p in plans)
+    assert [(o.chunk_size, o.accum_dtype, o.temperature, o.softcap, o.logit_scale) for o in options] == [
+        (3, None, temperature, softcap, scale)]
+    h64, w64 = hidden.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    z = softcap * torch.tanh(scale * (h64 @ w64.T) / softcap) / temperature
+    want = torch.log_softmax(z, -1).gather(1, targets[:, None]).squeeze(1)
+    (want * a.double()).sum().backward()
+    assert rel_err(lp, want) <= 1e-5
+    assert rel_err(hidden.grad, h64.grad) <= 1e-5 and rel_err(w.grad, w64.grad) <= 1e-5
+
+
 def test_unpatched_models_keep_trls_own_head(monkeypatch):
     """Only the patched model's lm_head is routed to our kernels; another model in the same process is not."""
     patched, other = make_model("llama"), make_model("llama", seed=1)
@@ -126,8 +171,8 @@ def test_unpatched_models_keep_trls_own_head(monkeypatch):
 
     assert _ChunkedLogProbFunction is trl_integration.FusedLogProbs
     calls = []
-    original = trl_integration.token_stats
-    monkeypatch.setattr(trl_integration, "token_stats", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = trl_integration.token_stats_with
+    monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
     hidden = torch.randn(10, 32)
     targets = torch.randint(0, VOCAB, (10,))
     for model, expected_calls in ((other, 0), (patched, 1)):
