@@ -79,7 +79,7 @@ def labels(name: str, ignore: float = 0.1, seed: int = 0) -> torch.Tensor:
 
 def plan_for(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, mode: str = "train", **options):
     """(plan, head, rows) of one FusedLMLoss(**options) call on (x, w, y), as ops.linear_cross_entropy makes
-    them (reduction "mean": gradients scaled by 1 / kept rows)."""
+    them (reduction "mean": gradients scaled by 1 / selected rows)."""
     opts = LossOptions(**options)
     backend = get_backend(x.device)
     shard = Shard.whole(w.shape[0])
@@ -93,7 +93,7 @@ def describe(plan) -> str:
     """One line: the plan's chunks and dtypes."""
     chunks = len(list(plan.chunks()))
     name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
-    return (f"{plan.n_rows} kept rows in {chunks} chunk(s) of {plan.chunk_rows}; backend {plan.backend.name}; "
+    return (f"{plan.n_rows} selected rows in {chunks} chunk(s) of {plan.chunk_rows}; backend {plan.backend.name}; "
             f"logits {name(plan.logits_dtype)}, dX {name(plan.grad_input_dtype)}, dW accum "
             f"{name(plan.accum_dtype)} -> {name(plan.weight_grad_dtype)}; stats in matmul {plan.stats_in_matmul}; "
             f"dX on a side stream {plan.overlap_grad_matmuls}")
