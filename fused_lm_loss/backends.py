@@ -76,9 +76,11 @@ class Backend(Protocol):
 
     def token_stats(self, logits: torch.Tensor, target: torch.Tensor, logprob_out: torch.Tensor,
                     entropy_out: torch.Tensor, lse_out: torch.Tensor, argmax_out: torch.Tensor | None, *,
-                    transform: LogitTransform) -> None:
+                    transform: LogitTransform, mean_logit_out: torch.Tensor | None = None,
+                    log_sum_sq_out: torch.Tensor | None = None) -> None:
         """Per row of a chunk holding the whole vocabulary (``target`` >= 0): log p(target), entropy and lse
-        (fp32), and the first argmax (int64; skipped when ``argmax_out`` is None)."""
+        (fp32), the first argmax (int64; skipped when ``argmax_out`` is None), and, when their outputs are given,
+        the mean logit and log sum_j p_j^2 (fp32)."""
 
     def token_grad_logits(self, logits: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                           entropy: torch.Tensor, grad_logprob: torch.Tensor | None,

@@ -212,8 +212,8 @@ class LossStep:
 
 
 class TokenStep:
-    """Per-token outputs of each row (log-probability of the label, entropy, lse, and the argmax when asked)
-    and gradients of ``sum_i a_i logprob_i + b_i entropy_i``.
+    """Per-token outputs of each row (log-probability of the label, entropy, lse, and, when asked, the argmax,
+    the mean logit and log sum p^2) and gradients of ``sum_i a_i logprob_i + b_i entropy_i``.
 
     In forward (``weights=None``) it computes the outputs and, for each name in ``components`` ("logprob",
     "entropy"), one gradient component with one weight for every row (``logprob_weight`` for the logprob,
@@ -222,14 +222,20 @@ class TokenStep:
     the outputs and makes the one gradient of the weighted sum.
     """
 
-    def __init__(self, plan: Plan, device: torch.device, *, need_argmax: bool = False, components: tuple = (),
-                 logprob_weight: float = 1.0, weights: tuple | None = None, lse: torch.Tensor | None = None,
+    def __init__(self, plan: Plan, device: torch.device, *, need_argmax: bool = False, need_mean_logit: bool = False,
+                 need_log_sum_sq: bool = False, components: tuple = (), logprob_weight: float = 1.0,
+                 weights: tuple | None = None, lse: torch.Tensor | None = None,
                  entropy: torch.Tensor | None = None) -> None:
         self.plan, self.compute, self.logprob_weight = plan, weights is None, logprob_weight
         if self.compute:
             n = plan.n_rows
-            self.logprob, self.entropy, self.lse = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(3))
-            self.argmax = torch.empty(n, dtype=torch.int64, device=device) if need_argmax else None
+
+            def buffer(asked: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+                return torch.empty(n, dtype=dtype, device=device) if asked else None
+
+            self.logprob, self.entropy, self.lse = buffer(), buffer(), buffer()
+            self.argmax = buffer(need_argmax, torch.int64)
+            self.mean_logit, self.log_sum_sq = buffer(need_mean_logit), buffer(need_log_sum_sq)
             self.grads = [self._unit_grad(name) for name in components]
         else:
             self.lse, self.entropy, self.weights = lse, entropy, weights
@@ -237,9 +243,10 @@ class TokenStep:
 
     def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
         if self.compute:
+            part = [None if out is None else out[start:end] for out in (self.argmax, self.mean_logit, self.log_sum_sq)]
             self.plan.backend.token_stats(
-                logits, target, self.logprob[start:end], self.entropy[start:end], self.lse[start:end],
-                None if self.argmax is None else self.argmax[start:end], transform=self.plan.transform,
+                logits, target, self.logprob[start:end], self.entropy[start:end], self.lse[start:end], part[0],
+                transform=self.plan.transform, mean_logit_out=part[1], log_sum_sq_out=part[2],
             )
 
     def _unit_grad(self, name: str):

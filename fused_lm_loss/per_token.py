@@ -3,6 +3,8 @@ log-sum-exp, whether the label is the top-1 token, and the argmax, with gradient
 
     z = softcap(logit_scale * (h @ W.T + b + u @ B.T)) / temperature          (per token, fp32)
     logprob = z[y] - lse(z)      entropy = lse(z) - sum_j softmax(z)_j z_j      is_top1 = argmax(z) == y
+    and, when asked for (``extra_outputs``, detached, as TRL's fused head gives them to DPO and KTO):
+    mean_logits = sum_j z_j / V      log_sum_sq_probs = log sum_j softmax(z)_j^2
 
 ``logprobs`` and ``entropy`` are differentiable: backward receives per-token weights a (for logprobs) and b
 (for entropy) and the gradient is that of ``sum_i a_i logprob_i + b_i entropy_i``. How it is made depends on
@@ -25,12 +27,13 @@ weight an SFT loss ``-logprobs.sum() / count`` (or ``.mean()`` over the tokens w
 mode that backward returns the saved gradients untouched, as the loss does for grad_output = 1; any other
 uniform weight is one multiply (the loss's grad_output / scaling). The entropy component has weight 1.
 
-Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse), False (is_top1) and -1 (argmax).
+Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse, mean_logits, log_sum_sq_probs), False
+(is_top1) and -1 (argmax).
 The operators are in ``token_ops.py``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -48,6 +51,11 @@ class TokenStats(NamedTuple):
     lse: Tensor  # fp32, log-sum-exp of z
     is_top1: Tensor  # bool, argmax == label (the first maximum on ties, as torch.argmax)
     argmax: Tensor  # int64, the top-1 token (-1 at ignored positions)
+    mean_logits: Tensor | None = None  # fp32, the mean of z over the vocabulary; only when asked for, detached
+    log_sum_sq_probs: Tensor | None = None  # fp32, log sum_j p_j^2; only when asked for, detached
+
+
+EXTRA_OUTPUTS = ("mean_logits", "log_sum_sq_probs")
 
 
 def token_stats(
@@ -65,6 +73,7 @@ def token_stats(
     low_rank: tuple[Tensor, Tensor] | None = None,
     expected_grads: str = "logprobs",
     keep_logits: bool = False,
+    extra_outputs: Sequence[str] = (),
 ) -> TokenStats:
     """Per-token log-probabilities, entropy, lse, top-1 and argmax of ``hidden @ weight.T (+ bias)``, chunked.
 
@@ -83,6 +92,8 @@ def token_stats(
         keep_logits: with a trainable lm_head and expected_grads "logprobs" / "logprobs_and_entropy" (where
             backward recomputes the logits), keep them from forward instead: one matmul fewer, for N x V values
             in the matmul dtype held until backward (see FusedLMLoss). Elsewhere nothing is kept.
+        extra_outputs: any of "mean_logits" and "log_sum_sq_probs" (``TokenStats`` fields, None unless asked
+            for): computed in the same pass over each chunk's logits, without gradient.
 
     Example::
 
@@ -92,7 +103,8 @@ def token_stats(
     """
     opts = LossOptions(ignore_index=ignore_index, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                        chunk_size=chunk_size, accum_dtype=accum_dtype, keep_logits=keep_logits)
-    return token_stats_with(opts, hidden, weight, labels, bias, low_rank=low_rank, expected_grads=expected_grads)
+    return token_stats_with(opts, hidden, weight, labels, bias, low_rank=low_rank, expected_grads=expected_grads,
+                            extra_outputs=extra_outputs)
 
 
 def token_stats_with(
@@ -104,6 +116,7 @@ def token_stats_with(
     *,
     low_rank: tuple[Tensor, Tensor] | None = None,
     expected_grads: str = "logprobs",
+    extra_outputs: Sequence[str] = (),
     where: str = "token_stats",
     owner: str = "",
 ) -> TokenStats:
@@ -111,11 +124,15 @@ def token_stats_with(
     ``where`` (a key of ``options.UNSUPPORTED``) cannot honour raise, naming ``owner``."""
     if expected_grads not in EXPECTED_GRADS:
         raise ValueError(f"expected_grads must be one of {EXPECTED_GRADS}, got {expected_grads!r}")
+    if isinstance(extra_outputs, str) or any(name not in EXTRA_OUTPUTS for name in extra_outputs):
+        raise ValueError(f"extra_outputs must be a sequence of names among {EXTRA_OUTPUTS}, got {extra_outputs!r}")
     check_supported(opts, where, owner)
     tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank)
-    logprobs, entropy, lse, argmax, is_top1 = linear_token_stats(*tensors, labels, needs, expected_grads,
-                                                                 opts=opts)[:5]
-    return TokenStats(logprobs, entropy, lse, is_top1, argmax)
+    asked = [name in extra_outputs for name in EXTRA_OUTPUTS]
+    logprobs, entropy, lse, argmax, is_top1, mean_logits, log_sum_sq_probs = linear_token_stats(
+        *tensors, labels, needs, expected_grads, *asked, opts=opts)[:7]
+    return TokenStats(logprobs, entropy, lse, is_top1, argmax, mean_logits if asked[0] else None,
+                      log_sum_sq_probs if asked[1] else None)
 
 
-__all__ = ["EXPECTED_GRADS", "TokenStats", "token_stats"]
+__all__ = ["EXPECTED_GRADS", "EXTRA_OUTPUTS", "TokenStats", "token_stats"]

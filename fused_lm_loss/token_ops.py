@@ -1,7 +1,8 @@
 """The per-token outputs as PyTorch operators (``torch.library.custom_op``), beside the loss's (``ops.py``):
 
-    fused_lm_loss::linear_token_stats           hidden states -> logprobs, entropy, lse, argmax, is_top1, and the
-                                                gradient components made in forward
+    fused_lm_loss::linear_token_stats           hidden states -> logprobs, entropy, lse, argmax, is_top1, (when
+                                                asked) mean_logits and log_sum_sq_probs, and the gradient
+                                                components made in forward
     fused_lm_loss::linear_token_stats_backward  the gradients for per-token weights that the forward's
                                                 components cannot serve (recomputed), and their weighting
 
@@ -50,16 +51,19 @@ def mean_nll_weight(count: int) -> float:
     return float(torch.tensor(-1.0, dtype=F32) / max(count, 1))
 
 
-def token_outputs(opts: LossOptions, needs: Sequence[bool], expected_grads: str, hidden: Tensor, weight: Tensor,
-                  bias: Tensor | None, low_rank_input: Tensor | None, low_rank_weight: Tensor | None,
-                  labels: Tensor) -> list[Spec]:
+def token_outputs(opts: LossOptions, needs: Sequence[bool], expected_grads: str, need_mean_logits: bool,
+                  need_log_sum_sq_probs: bool, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                  low_rank_input: Tensor | None, low_rank_weight: Tensor | None, labels: Tensor) -> list[Spec]:
     """The outputs of ``linear_token_stats`` (its fake and real implementations both follow this)."""
     shape, made = tuple(labels.shape), components(needs, expected_grads)
+    extra = [Spec(shape, F32) if asked else Spec((0,), F32) for asked in (need_mean_logits, need_log_sum_sq_probs)]
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     recomputes = any(needs) and "logprob" not in made  # (a trainable head: backward recomputes the logits)
     return [
         Spec(shape, F32), Spec(shape, F32), Spec(shape, F32),  # logprobs, entropy, lse
-        Spec(shape, torch.int64), Spec(shape, torch.bool), Spec(shape, torch.bool),  # argmax, is_top1, has_label
+        Spec(shape, torch.int64), Spec(shape, torch.bool),  # argmax, is_top1
+        *extra,  # mean_logits, log_sum_sq_probs
+        Spec(shape, torch.bool),  # has_label
         Spec((), F32),  # the logprob component's weight
         *grad_specs(opts, needs, "logprob" in made, inputs, labels),
         *grad_specs(opts, needs, "entropy" in made, inputs, labels),
@@ -77,30 +81,35 @@ def linear_token_stats(
     labels: Tensor,
     needs: Sequence[bool],
     expected_grads: str,
+    need_mean_logits: bool,
+    need_log_sum_sq_probs: bool,
     *,
     opts: LossOptions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(logprobs, entropy, lse, argmax, is_top1, has_label, the logprob component's weight (a () fp32 tensor), then
+           Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse, argmax, is_top1, mean_logits, log_sum_sq_probs (both detached; (0,) unless asked
+    for), has_label, the logprob component's weight (a () fp32 tensor), then
     for each of the logprob and entropy components the gradients w.r.t. (hidden, weight, bias, u, B) of the sum of
     its output over the selected rows, weighted by ``mean_nll_weight`` (logprob) or 1 (entropy), then the kept
     logits). Per-token outputs are shaped like labels (0, or -1 for argmax and False, at ignored positions); a
     component's gradients are made only where ``components`` says and ``needs`` asks, the logits (N, V) kept for
     backward only with ``keep_logits`` where backward recomputes; else (0,)."""
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    specs = token_outputs(opts, needs, expected_grads, *inputs, labels)
+    asked = (need_mean_logits, need_log_sum_sq_probs)
+    specs = token_outputs(opts, needs, expected_grads, *asked, *inputs, labels)
     device, kept_logits = hidden.device, allocate(specs[-1:], hidden.device)[0]
     made = components(needs, expected_grads)
     head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "store"))
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if made else GradNeeds(),
                      components=len(made), epilogue_stats=False)
     unit = mean_nll_weight(rows.count)
-    out = run_chunks(plan, head, rows, TokenStep(plan, device, need_argmax=True, components=made,
-                                                 logprob_weight=unit))
+    out = run_chunks(plan, head, rows, TokenStep(plan, device, need_argmax=True, need_mean_logit=asked[0],
+                                                 need_log_sum_sq=asked[1], components=made, logprob_weight=unit))
     step = out.step
     outputs = [per_token(v, rows, labels) for v in (step.logprob, step.entropy, step.lse)]
     outputs.append(per_token(step.argmax + 1, rows, labels) - 1)  # -1 at ignored positions
     outputs.append(per_token(step.argmax == rows.target, rows, labels))
+    outputs += [None if v is None else per_token(v, rows, labels) for v in (step.mean_logit, step.log_sum_sq)]
     outputs.append(rows.mask(device).view(labels.shape))
     # (torch.full, not torch.tensor: a host-to-device copy would wait for the whole forward on CUDA)
     outputs.append(torch.full((), unit, dtype=F32, device=device))
@@ -111,8 +120,10 @@ def linear_token_stats(
 
 
 @linear_token_stats.register_fake
-def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, expected_grads, *, opts):
-    specs = token_outputs(opts, needs, expected_grads, hidden, weight, bias, low_rank_input, low_rank_weight, labels)
+def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, needs, expected_grads, need_mean_logits,
+      need_log_sum_sq_probs, *, opts):
+    specs = token_outputs(opts, needs, expected_grads, need_mean_logits, need_log_sum_sq_probs, hidden, weight, bias,
+                          low_rank_input, low_rank_weight, labels)
     return allocate(specs, hidden.device)
 
 
@@ -209,17 +220,18 @@ def _(hidden, weight, bias, low_rank_input, low_rank_weight, labels, lse, entrop
 
 
 def _setup(ctx, inputs, opts, output) -> None:
-    hidden, weight, bias, u, b, labels, needs, _ = inputs
-    logprobs, entropy, lse, argmax, is_top1, has_label, unit, *grads, kept_logits = output
+    hidden, weight, bias, u, b, labels, needs = inputs[:7]
+    logprobs, entropy, lse, argmax, is_top1, mean_logits, log_sum_sq_probs, has_label, unit, *grads, kept_logits = output
     ctx.needs = tuple(needs)
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, argmax, is_top1, has_label, unit, kept_logits, *grads)
+    ctx.mark_non_differentiable(lse, argmax, is_top1, mean_logits, log_sum_sq_probs, has_label, unit, kept_logits,
+                                *grads)
     save_with_options(ctx, opts, hidden, weight, bias, u, b, labels, lse, entropy, has_label, unit, kept_logits, *grads)
 
 
 def _backward(ctx, grad_logprobs, grad_entropy, *unused):
     refuse_double_backward(grad_logprobs if grad_logprobs is not None else grad_entropy)
-    call_values = (None,) * 3  # labels, needs, expected_grads
+    call_values = (None,) * 5  # labels, needs, expected_grads, need_mean_logits, need_log_sum_sq_probs
     if (grad_logprobs is None and grad_entropy is None) or not any(ctx.needs):
         return (None,) * 5 + call_values
     saved, opts = saved_with_options(ctx)

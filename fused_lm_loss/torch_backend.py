@@ -123,12 +123,15 @@ def token_stats(
     argmax_out: torch.Tensor | None,
     *,
     transform: LogitTransform,
+    mean_logit_out: torch.Tensor | None = None,
+    log_sum_sq_out: torch.Tensor | None = None,
 ) -> None:
     """Per row of a chunk that holds the whole vocabulary, with z the loss-space logits and p = softmax(z)::
 
         lse = log sum_j exp(z_j)      logprob = z_t - lse      entropy = lse - sum_j p_j z_j      argmax = first argmax_j z_j
+        mean_logit = sum_j z_j / V    log_sum_sq_probs = log sum_j p_j^2
 
-    into the (rows,) fp32 outputs (argmax int64; skipped when None). p_j z_j is 0 where p_j is 0 (a -inf logit
+    into the (rows,) fp32 outputs (argmax int64, the last two when given; skipped when None). p_j z_j is 0 where p_j is 0 (a -inf logit
     carries no probability), as ``torch.distributions.Categorical(logits=z).entropy()`` has it.
     """
     z, _ = transform.apply(logits)
@@ -144,6 +147,10 @@ def token_stats(
     entropy_out.copy_(lse - expected_z)
     if argmax_out is not None:
         argmax_out.copy_(z.argmax(dim=1))
+    if mean_logit_out is not None:
+        mean_logit_out.copy_(z.mean(dim=1))
+    if log_sum_sq_out is not None:  # log sum e^2 - 2 log s, e relative to the max (no overflow, no p rounding)
+        log_sum_sq_out.copy_(torch.log((e * e).sum(dim=1)) - 2.0 * torch.log(sumexp))
 
 
 def token_grad_logits(

@@ -217,15 +217,17 @@ def test_every_output_is_right_under_compile(kind, backend_name):
 
 
 def test_every_token_stats_output_is_right_under_compile():
-    """All five token_stats outputs used in arithmetic under fullgraph compile, against eager."""
+    """All seven token_stats outputs (the two extra ones asked for) used in arithmetic under fullgraph compile,
+    against eager."""
     from fused_lm_loss import token_stats
 
     step = Step(None)
 
     def total(x, y):
-        out = token_stats(step.proj(x), step.head, y, temperature=0.8, softcap=7.0)
+        out = token_stats(step.proj(x), step.head, y, temperature=0.8, softcap=7.0,
+                          extra_outputs=("mean_logits", "log_sum_sq_probs"))
         return (out.logprobs + 0.1 * out.entropy + 0.01 * out.lse + out.is_top1.float()
-                + (out.argmax + 1).float() / V).sum()
+                + (out.argmax + 1).float() / V + 0.3 * out.mean_logits + 0.2 * out.log_sum_sq_probs).sum()
 
     compiled = torch.compile(total, fullgraph=True)
     for x, y in _batches(2):

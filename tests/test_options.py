@@ -182,9 +182,10 @@ def test_loss_operator_passes_opcheck(kind):
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
+@pytest.mark.parametrize("extras", [(False, False), (True, True)], ids=["base", "extra_outputs"])
 @pytest.mark.parametrize("expected_grads", ["logprobs", "logprobs_and_entropy", "uniform"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
-def test_token_operator_passes_opcheck(expected_grads, frozen):
+def test_token_operator_passes_opcheck(expected_grads, frozen, extras):
     from fused_lm_loss import token_ops
 
     opts = LossOptions(chunk_size=4, temperature=0.8, keep_logits=True)
@@ -193,6 +194,6 @@ def test_token_operator_passes_opcheck(expected_grads, frozen):
     weight.requires_grad_(not frozen)
     needs = [True, not frozen, False, False, False]
     tensors, keywords = encode(opts)
-    args = (hidden, weight, None, None, None, labels, needs, expected_grads, *tensors)
+    args = (hidden, weight, None, None, None, labels, needs, expected_grads, *extras, *tensors)
     torch.library.opcheck(token_ops.linear_token_stats.op, args, keywords,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

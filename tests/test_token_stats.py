@@ -202,6 +202,53 @@ def test_ignored_positions_and_neg_inf_logits(backend):
     assert torch.all(hidden.grad[ignored] == 0)
 
 
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+@pytest.mark.parametrize("extra_outputs", [("mean_logits",), ("log_sum_sq_probs",), ("mean_logits", "log_sum_sq_probs")])
+def test_mean_logits_and_log_sum_sq_probs(backend, head, extra_outputs):
+    """The outputs DPO and KTO ask TRL's head for, against float64 on the transformed logits: z.mean(-1) and
+    log sum softmax(z)^2, 0 at ignored positions, detached, None unless asked; asking changes nothing else."""
+    hidden, weight, labels, bias = make_inputs(N, H, V, bias=True, logit_std=3.0)
+    low_rank = (torch.randn(N, 3), 0.1 * torch.randn(V, 3))
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    transforms = dict(temperature=0.7, logit_scale=1.2, softcap=5.0)
+    a = torch.randn(N)
+    outs, grads = [], []
+    for asked in (extra_outputs, ()):
+        out = token_stats(hidden, weight, labels, bias, chunk_size=16, low_rank=low_rank, extra_outputs=asked,
+                          **transforms)
+        (out.logprobs * a).sum().backward()
+        outs.append(out)
+        grads.append((hidden.grad, weight.grad))
+        hidden.grad = weight.grad = None
+    out, plain = outs
+    z = float64_logits(hidden, weight, bias, low_rank=low_rank, **transforms)[1].detach()
+    valid = labels != -100
+    assert (~valid).any()
+    want = {"mean_logits": torch.where(valid, z.mean(-1), 0.0),
+            "log_sum_sq_probs": torch.where(valid, torch.log((torch.softmax(z, -1) ** 2).sum(-1)), 0.0)}
+    for name in ("mean_logits", "log_sum_sq_probs"):
+        got = getattr(out, name)
+        if name not in extra_outputs:
+            assert got is None and getattr(plain, name) is None
+            continue
+        assert got.dtype == torch.float32 and got.shape == labels.shape and not got.requires_grad
+        assert torch.all(got[~valid] == 0)
+        tol = 2e-6 * z.abs().max().item() if name == "mean_logits" else 2e-6 * want[name].abs().max().item()
+        torch.testing.assert_close(got.double(), want[name], rtol=0, atol=tol)
+    for field in ("logprobs", "entropy", "lse", "is_top1", "argmax"):
+        assert torch.equal(getattr(out, field), getattr(plain, field)), field
+    for got, want_grad in zip(*grads):
+        assert (got is None and want_grad is None) or torch.equal(got, want_grad)
+
+
+def test_extra_outputs_are_checked():
+    hidden, weight, labels, _ = make_inputs(4, 8, 10)
+    for bad in ("mean_logits", ("mean_logit",), ["log_probs"]):
+        with pytest.raises(ValueError, match="extra_outputs"):
+            token_stats(hidden, weight, labels, extra_outputs=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_no_worse_than_eager(dtype):
     """bf16/fp16 operands: log-probabilities, entropy and the gradient as exact as eager PyTorch on the logits

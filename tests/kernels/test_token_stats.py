@@ -210,6 +210,46 @@ def test_token_stats_with_neg_inf_logits(dtype, softcap, segment_cols, monkeypat
             assert got[0][3].abs() <= 2.5e-7 and got[1][3].abs() <= 2.5e-7, impl.__module__
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("segment_cols", [None, 256, 512])  # None: one segment; 256: 10; 512: 5, some all -inf
+@pytest.mark.parametrize("masked", [False, True], ids=["finite", "neg_inf"])
+@pytest.mark.parametrize("asked", ["both", "mean_logit", "log_sum_sq"])
+def test_token_stats_mean_logit_and_log_sum_sq_probs(dtype, softcap, segment_cols, masked, asked, monkeypatch):
+    """The optional outputs against float64 torch: z.mean(-1) and log sum softmax(z)^2 (NaN for an all -inf row,
+    -inf mean for a row with a -inf logit, as torch); the other outputs are unchanged by asking for them."""
+    if segment_cols is not None:
+        monkeypatch.setattr(token_stats_module, "SEGMENT_COLS", segment_cols)
+    if masked:
+        logits, target = _masked_logits(2048 + 300, dtype)
+    else:
+        logits, target = _random_logits(6, 2500, dtype), torch.randint(0, 2500, (6,))
+        logits[2, -1] += 20  # a maximum in the last segment
+        logits[3] += 50
+    z = _z(logits, LOGIT_SCALE, softcap)
+    want_mean, want_sq = z.mean(1), torch.log((torch.softmax(z, 1) ** 2).sum(1))
+    rows = logits.shape[0]
+    for impl in STATS:
+        mean_out, sq_out = torch.full((2, rows), 123.0).unbind(0)
+        logprob, entropy, lse = torch.full((3, rows), 123.0).unbind(0)
+        impl(logits, target, logprob, entropy, lse, None, transform=LogitTransform(scale=LOGIT_SCALE, softcap=softcap),
+             mean_logit_out=mean_out if asked != "log_sum_sq" else None,
+             log_sum_sq_out=sq_out if asked != "mean_logit" else None)
+        if asked != "log_sum_sq":
+            # a mean of values of either sign: its error is relative to the logits' size, not to the mean's
+            finite_z = z[torch.isfinite(z)].abs().max().item()
+            torch.testing.assert_close(mean_out.double(), want_mean, rtol=0, atol=2e-6 * finite_z, equal_nan=True)
+        else:
+            assert (mean_out == 123.0).all()
+        if asked != "mean_logit":
+            _assert_matches(sq_out, want_sq, 1e-5, (impl.__module__, "log_sum_sq"))
+        else:
+            assert (sq_out == 123.0).all()
+        plain = _run_stats(impl, logits, target, softcap=softcap, argmax=False)
+        for have, want in zip((logprob, entropy, lse), plain):
+            torch.testing.assert_close(have, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_token_stats_respects_row_stride():
     """The chunk loop passes row slices of a larger buffer: the kernels must use the row stride."""
     buffer = _random_logits(6, 400, torch.bfloat16)
