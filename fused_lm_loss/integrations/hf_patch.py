@@ -256,7 +256,8 @@ class _FusedForward:
             raise RuntimeError(f"{type(model).__name__}.forward re-entered during a fused-loss forward")
         labels, extra = self._labels(args, kwargs) if model.training else (None, {})
         if model.training and not torch.compiler.is_compiling():
-            if labels is None:
+            # (without autograd no training loss is made from the logits: RL trainers generate in training mode)
+            if labels is None and torch.is_grad_enabled():
                 _warn_training_without_labels(model)
             else:
                 trl_integration.check_caller()

@@ -13,9 +13,11 @@ The patched model's FusedLMLoss options apply: ``chunk_size`` (None: chunks size
 fixed chunk), ``accum_dtype`` and ``keep_logits`` (the logits kept for the RL trainers' backward: one matmul fewer,
 N x V values more memory; see FusedLMLoss); the temperature, softcap and logit scale are those TRL passes. What
 TRL's head cannot express is refused, never dropped (``options.UNSUPPORTED["trl"]``): a patched model's
-FusedLMLoss with e.g. label smoothing, a z-loss or fp32 logits raises at the first call. Outputs we do not compute
-("log_sum_sq_probs", "mean_logits": DPO's weighting and logit metrics) and DeepSpeed ZeRO-3 sharded heads run
-TRL's own function, with a warning.
+FusedLMLoss with e.g. label smoothing, a z-loss or fp32 logits raises at the first call. Every output TRL 1.16's
+trainers ask for is computed: "log_probs", "entropy", "is_top1", and "mean_logits" / "log_sum_sq_probs" (DPO's
+and KTO's logit metrics and WPO weights; detached, as TRL gives them). What we cannot serve (an output a later
+TRL adds, a DeepSpeed ZeRO-3 sharded head) runs TRL's own function, with a warning naming the trainer, once per
+trainer class and reason.
 
 TRL 0.x has no fused head: its SFTTrainer computes metrics from ``outputs.logits``, which a patched model does
 not make in training; ``check_caller`` raises a clear error there instead of TRL's ``AttributeError``.
@@ -35,7 +37,7 @@ from ..options import LossOptions, check_supported
 from ..per_token import token_stats_with
 
 SUPPORTED = ("1.16.0",)
-_COMPUTED = ("log_probs", "entropy", "is_top1")
+_COMPUTED = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
 # patched model -> the function that gives its options (hf_patch.patched_options; held here, not imported: the
 # patch imports this module)
 _patched_models: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
@@ -108,24 +110,33 @@ class FusedLogProbs:
                                        outputs)
         reason = _cannot_serve(weight, outputs)
         if reason is not None:
-            _warn_once(reason, f"fused_lm_loss: {reason}: TRL's own fused LM head runs for this call")
+            trainer = _calling_trainer()
+            _warn_once((trainer, reason), f"fused_lm_loss: {reason} ({trainer}): TRL's own fused LM head runs for "
+                       "this call")
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
         opts = _trl_options(model, temperature, softcap, logit_scale)
         if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # cast_lm_head_to_fp32: fp32 hidden states, the head in fp32
             bias = None if bias is None else bias.to(hidden.dtype)
-        # SFT asks for the top-1 (token accuracy) and differentiates the mean of the log-probabilities; RL trainers
-        # weight them per token. Only the cost depends on this guess (per_token.py).
-        expected = "uniform" if "is_top1" in outputs else "logprobs"
-        out = token_stats_with(opts, hidden, weight, targets, bias, expected_grads=expected)
+        extra = [name for name in ("mean_logits", "log_sum_sq_probs") if name in outputs]
+        out = token_stats_with(opts, hidden, weight, targets, bias, expected_grads=_expected_grads(outputs),
+                               extra_outputs=extra)
         return (
             out.logprobs,
             out.entropy if "entropy" in outputs else None,
-            None,
-            None,
+            out.log_sum_sq_probs,
+            out.mean_logits,
             out.is_top1 if "is_top1" in outputs else None,
         )
+
+
+def _expected_grads(outputs) -> str:
+    """What backward will most likely weight the log-probabilities with, from the outputs a trainer asks for
+    (only the cost depends on this guess: per_token.py). SFT asks for the top-1 (token accuracy) but not the mean
+    logit, and differentiates the mean log-probability; DPO and KTO (mean_logits) weight each sequence's sum, the
+    RL trainers each token."""
+    return "uniform" if "is_top1" in outputs and "mean_logits" not in outputs else "logprobs"
 
 
 def _cannot_serve(weight: torch.Tensor, outputs) -> str | None:
@@ -146,7 +157,20 @@ def _trl_options(model, temperature, softcap, logit_scale) -> LossOptions:
                                softcap=None if softcap is None else float(softcap))
 
 
-def _warn_once(key: str, message: str) -> None:
+def _calling_trainer() -> str:
+    """The class name of the TRL trainer this call comes from (its ``self`` in a calling frame), or "TRL"."""
+    frame = sys._getframe(2)
+    for _ in range(30):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if owner is not None and type(owner).__module__.startswith("trl.") and type(owner).__name__.endswith("Trainer"):
+            return type(owner).__name__
+        frame = frame.f_back
+    return "TRL"
+
+
+def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)

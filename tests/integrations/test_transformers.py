@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -126,11 +127,16 @@ def test_generate_and_no_labels_unchanged():
     ref = twin(model)
     fused_lm_loss.patch(model)
     ids = make_batch()["input_ids"][:, :5]
-    out = model(input_ids=ids)  # training mode, no labels: original forward
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # generation in training mode (GRPO, distillation): no grad, so no training loss and no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    with pytest.warns(UserWarning, match="training mode without labels"):
+        out = model(input_ids=ids)  # training mode, no labels, with autograd: original forward, and a warning
     assert torch.equal(out.logits, ref(input_ids=ids).logits)
     model.eval()
     ref.eval()
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
 
 

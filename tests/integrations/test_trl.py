@@ -182,15 +182,67 @@ def test_unpatched_models_keep_trls_own_head(monkeypatch):
         assert rel_err(out[0], want) <= 1e-6 and len(calls) == expected_calls
 
 
-def test_outputs_we_do_not_compute_fall_back_with_a_warning():
-    model = fused_lm_loss.patch(make_model("llama"))
-    from trl.trainer.utils import _ChunkedLogProbFunction
+def test_outputs_we_do_not_compute_fall_back_with_a_warning_per_trainer(monkeypatch):
+    """An output we do not compute (one a later TRL might add) runs TRL's own head, with a warning that names the
+    output and the trainer: once per trainer and reason, so that one trainer's warning does not silence another's."""
+    import trl.trainer.utils as trl_utils
 
+    monkeypatch.setattr(trl_integration, "_warned", set())
+    model = fused_lm_loss.patch(make_model("llama"))
     w = model.get_output_embeddings().weight
-    with pytest.warns(UserWarning, match="mean_logits"):
-        out = _ChunkedLogProbFunction.apply(torch.randn(4, 32), w, None, torch.randint(0, VOCAB, (4,)), 1.0, 32768,
-                                            None, 1.0, ("log_probs", "mean_logits"))
-    assert out[3] is not None  # TRL's own head computed it
+    hidden, targets = torch.randn(4, 32), torch.randint(0, VOCAB, (4,))
+
+    def call(self):
+        return trl_utils._ChunkedLogProbFunction.apply(hidden, w, None, targets, 1.0, 32768, None, 1.0,
+                                                       ("log_probs", "top_k_probs"))
+
+    trainers = [type(name, (), {"__module__": "trl.trainer.fake", "step": call}) for name in ("DPOTrainer",
+                                                                                              "KTOTrainer")]
+    for trainer in trainers:
+        with pytest.warns(UserWarning, match=rf"top_k_probs.*\({trainer.__name__}\)"):
+            out = trainer().step()
+        want = torch.log_softmax(hidden @ w.T, -1).gather(1, targets[:, None]).squeeze(1)
+        assert rel_err(out[0], want) <= 1e-6  # TRL's own head computed it
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainers[0]().step()  # the same trainer and reason again: no second warning
+
+
+def test_dpo_and_kto_calls_of_trls_head_match_trls_outputs_and_gradients():
+    """DPO's / KTO's calls (mean_logits, log_sum_sq_probs, is_top1; per-sequence weights on the log-probabilities)
+    give TRL's own outputs and gradients, trainable and frozen head, with TRL's temperature, softcap and scale."""
+    import trl.trainer.utils as trl_utils
+
+    outputs_of = {"dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+                  "dpo_wpo": ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs"),
+                  "kto": ("log_probs", "entropy", "mean_logits")}
+    for name, outputs in outputs_of.items():
+        for frozen in (False, True):
+            model = fused_lm_loss.patch(make_model("llama"))
+            ours = trl_utils._ChunkedLogProbFunction
+            assert ours is trl_integration.FusedLogProbs
+            w = model.get_output_embeddings().weight
+            w.requires_grad_(not frozen)
+            hidden, targets = torch.randn(14, 32), torch.randint(0, VOCAB, (14,))
+            a = torch.repeat_interleave(torch.randn(2), 7)  # one weight per sequence, as DPO's sigmoid loss gives
+            results = []
+            for fn in (trl_integration._trl_function, ours):
+                h = hidden.clone().requires_grad_(True)
+                w.grad = None
+                out = fn.apply(h, w, None, targets, 0.8, 32768, 6.0, 1.3, outputs)
+                (out[0] * a).sum().backward()
+                results.append((out, h.grad, None if frozen else w.grad.clone()))
+            (want, h0, w0), (got, h1, w1) = results
+            for field, g, x in zip(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), got, want):
+                assert (g is None) == (x is None), (name, field)
+                if x is not None and x.dtype == torch.bool:
+                    assert torch.equal(g, x), (name, field)
+                elif x is not None:
+                    assert not (field in ("log_sum_sq_probs", "mean_logits") and g.requires_grad), (name, field)
+                    assert rel_err(g, x) <= 1e-5, (name, field)
+            assert rel_err(h1, h0) <= 1e-5 and (frozen or rel_err(w1, w0) <= 1e-5), name
 
 
 def test_trl_0x_sft_trainer_gets_a_clear_error(monkeypatch):
@@ -284,3 +336,103 @@ def test_rl_call_with_kept_logits(monkeypatch):
         results.append((lp.detach(), entropy.detach(), h.grad, w.grad.clone()))
     for got, want in zip(results[1], results[0]):
         assert rel_err(got, want) <= 1e-5
+
+
+def _word_tokenizer():
+    """The tiny vocabulary, words split at spaces ("t5 t9 t2"), for TRL's text datasets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    fast = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def _words(g, low, high) -> str:
+    n = int(torch.randint(low, high, (1,), generator=g, device="cpu"))
+    return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g, device="cpu"))
+
+
+def _preference_rows(trainer: str, n: int, seed: int) -> list:
+    g = torch.Generator("cpu").manual_seed(seed)
+    rows = []
+    for i in range(n):
+        prompt = _words(g, 2, 6)
+        if trainer == "dpo":
+            rows.append({"prompt": prompt, "chosen": f" {_words(g, 2, 6)} t2", "rejected": f" {_words(g, 2, 6)} t2"})
+        else:
+            rows.append({"prompt": prompt, "completion": f" {_words(g, 2, 6)} t2", "label": i % 2 == 0})
+    return rows
+
+
+def _train_preference(tmp_path, trainer: str, *, impl: str, lora: bool = False, monkeypatch=None, **config):
+    """3 steps of TRL's DPOTrainer / KTOTrainer (fp32, SGD), impl "trl" (TRL's own head) or "patched" (ours).
+    Returns (log history, final parameters, our kernel calls)."""
+    model = make_model("llama")
+    ref_model, peft_config = None, None
+    if lora:  # (the reference: the same model with the adapter disabled)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    else:
+        ref_model = make_model("llama")
+    if impl == "patched":
+        for m in (model, ref_model):
+            if m is not None:
+                fused_lm_loss.patch(m)
+    config_class, trainer_class = (trl.DPOConfig, trl.DPOTrainer) if trainer == "dpo" else (trl.KTOConfig,
+                                                                                           trl.KTOTrainer)
+    args = config_class(
+        output_dir=str(tmp_path / f"{trainer}_{impl}"), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+        eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4, report_to=[], save_strategy="no",
+        use_cpu=TEST_DEVICE == "cpu", seed=0, learning_rate=0.5, dataloader_pin_memory=False, bf16=False,
+        optim="sgd", **config,
+    )
+    built = trainer_class(
+        model=model, ref_model=ref_model, args=args, train_dataset=datasets.Dataset.from_list(_preference_rows(trainer, 12, 0)),
+        eval_dataset=datasets.Dataset.from_list(_preference_rows(trainer, 4, 1)), processing_class=_word_tokenizer(),
+        peft_config=peft_config,
+    )
+    calls = []
+    if monkeypatch is not None:
+        original = trl_integration.token_stats_with
+        monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
+    built.train()
+    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    return built.state.log_history, params, len(calls)
+
+
+def _assert_same_logs(got, want, tol=1e-5):
+    got_logs, got_params, _ = got
+    want_logs, want_params, _ = want
+    assert len(got_logs) == len(want_logs)
+    for g, w in zip(got_logs, want_logs):
+        assert g.keys() == w.keys()
+        for key, value in w.items():
+            if isinstance(value, float) and key not in ("train_runtime", "train_samples_per_second",
+                                                        "train_steps_per_second", "eval_runtime",
+                                                        "eval_samples_per_second", "eval_steps_per_second"):
+                assert g[key] == pytest.approx(value, rel=tol, abs=1e-6), key
+    assert got_params.keys() == want_params.keys()
+    for name, value in want_params.items():
+        assert rel_err(got_params[name], value) <= tol, name
+
+
+@pytest.mark.parametrize("trainer,config", [
+    ("dpo", dict()), ("dpo", dict(use_weighting=True)), ("kto", dict()),
+], ids=["dpo", "dpo_wpo", "kto"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_preference_trainers_run_our_kernels_with_trls_numbers(tmp_path, monkeypatch, trainer, config, lora):
+    """DPO (with and without WPO weighting) and KTO ask TRL's head for mean_logits (and log_sum_sq_probs): our
+    kernels serve every call, with no fallback, and every logged metric (rewards/*, logps/*, logits/*, entropy,
+    token accuracy) and the trained parameters equal TRL's own head's to fp32 round-off."""
+    import warnings
+
+    want = _train_preference(tmp_path, trainer, impl="trl", lora=lora, **config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*TRL's own fused LM head runs.*")
+        got = _train_preference(tmp_path, trainer, impl="patched", lora=lora, monkeypatch=monkeypatch, **config)
+    assert got[2] > 0
+    logged = set().union(*(log.keys() for log in got[0]))
+    assert any(key.startswith("logits/") for key in logged), sorted(logged)
+    _assert_same_logs(got, want)
