@@ -30,6 +30,9 @@ the inputs and the gradient tensors, for:
                formed in forward (token_stats) where TRL's head recomputes
   token_rl_kept  token_rl with keep_logits=True: the logits kept from forward for backward (trainable head
                only: three matmuls instead of four, N x V bf16 more memory)
+  token_dpo, trl_dpo   DPO's head call: sum(a * logprobs) with one fixed random weight per 512-token sequence
+               (what DPO's sigmoid loss sends back), with the outputs DPOTrainer asks for (entropy, is_top1,
+               mean_logits), through token_stats and through TRL's head
 Accuracy: relative error (L2 norm) of loss, dX and dW against a float64 computation of the same inputs.
 Data: logits std ~4 with labels sampled from the model's own softmax ("realistic"), or near-uniform
 logits; a fraction of labels set to -100.
@@ -218,6 +221,36 @@ def peer_trl_rl():
     return lambda x, w, y, scaling: peers.trl_weighted_logprobs(module, x, w, y, rl_weights(y))
 
 
+DPO_SEQUENCE = 512
+
+
+def dpo_weights(y: torch.Tensor) -> torch.Tensor:
+    """Fixed weights for the DPO rows: one per DPO_SEQUENCE-token sequence (DPO weights each sequence's summed
+    log-probability), positive and negative."""
+    key = ("dpo", y.data_ptr(), y.shape)
+    if key not in _token_weights:
+        gen = torch.Generator(device=y.device).manual_seed(2)
+        n = y.numel()
+        per_sequence = torch.randn(-(-n // DPO_SEQUENCE), device=y.device, generator=gen) / max(n, 1)
+        _token_weights[key] = per_sequence.repeat_interleave(DPO_SEQUENCE)[:n].view(y.shape)
+    return _token_weights[key]
+
+
+def impl_token_dpo(x, w, y, scaling):
+    out = token_stats(x, w, y, extra_outputs=("mean_logits",))
+    return (out.logprobs * dpo_weights(y)).sum()
+
+
+def peer_trl_dpo():
+    module = peers.trl_kernel()
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    return lambda x, w, y, scaling: peers.trl_weighted_logprobs(module, x, w, y, dpo_weights(y), outputs=outputs)
+
+
+#: rows whose objective is a weighted sum of log-probabilities (no forward-only mode, no cross-entropy reference)
+WEIGHTED_ROWS = ("token_rl", "trl_rl", "token_rl_kept", "token_dpo", "trl_dpo")
+
+
 def implementations(env, include_variants=True):
     impls = {"fused": impl_fused()}
     if include_variants:
@@ -233,8 +266,11 @@ def implementations(env, include_variants=True):
         impls["token_rl"] = impl_token_rl
         if "keep_logits" in inspect.signature(token_stats).parameters:  # (not before session 11)
             impls["token_rl_kept"] = impl_token_rl_kept
+        if "extra_outputs" in inspect.signature(token_stats).parameters:  # (not before session 12)
+            impls["token_dpo"] = impl_token_dpo
     if "trl_head" in impls:
         impls["trl_rl"] = peer_trl_rl()
+        impls["trl_dpo"] = peer_trl_dpo()
     return impls
 
 
@@ -425,9 +461,9 @@ def main():
                     if not (name == "fused_bf16acc" and mode == "train"):
                         continue
                 if not main_case and args.peers_main_only and not name.startswith("fused"):
-                    if not (mode == "frozen_head" and name in ("token_rl", "trl_rl")):  # the frozen RL target
-                        continue
-                if mode == "forward" and name in ("token_sft", "token_rl", "trl_rl", "token_rl_kept"):
+                    if not (mode == "frozen_head" and name in ("token_rl", "trl_rl", "token_dpo", "trl_dpo")):
+                        continue  # (the frozen-head targets)
+                if mode == "forward" and name in ("token_sft", *WEIGHTED_ROWS):
                     continue
                 if mode == "frozen_head" and name == "token_rl_kept":  # (nothing is kept for a frozen head)
                     continue
@@ -435,7 +471,7 @@ def main():
                 try:
                     ms, extra = measure(impl, x, w, y, mode, scaling, budget_ms=args.budget_ms)
                     row.update(ms=ms, ratio=ms / floor_ms, extra_gib=extra)
-                    if ref is not None and name not in ("token_rl", "trl_rl", "token_rl_kept"):  # (ref: the mean CE)
+                    if ref is not None and name not in WEIGHTED_ROWS:  # (ref: the mean CE)
                         row.update(zip(("err_loss", "err_dx", "err_dw"), accuracy(impl, x, w, y, ref, scaling)))
                 except Exception as e:  # noqa: BLE001 - a peer failing (OOM, unsupported) is a result too
                     row.update(error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -156,11 +156,12 @@ def trl_sft_loss(module, hidden, weight, labels, *, bias=None, softcap=None, log
     return -log_probs.sum() / mask.sum().clamp(min=1)
 
 
-def trl_weighted_logprobs(module, hidden, weight, labels, token_weights, *, entropy_weight=0.0):
+def trl_weighted_logprobs(module, hidden, weight, labels, token_weights, *, entropy_weight=0.0,
+                          outputs=("log_probs", "entropy")):
     """sum(token_weights * log_probs) (+ entropy_weight * sum(entropy)) through TRL's fused head, called as its
-    RL trainers do (GRPO: per-token advantages on the log-probabilities; entropy in the outputs)."""
-    mask, compact, (log_probs, entropy, *_) = _trl_apply(module, hidden, weight, labels, None, None, 1.0,
-                                                         ("log_probs", "entropy"))
+    RL trainers do (GRPO: per-token advantages on the log-probabilities; entropy in the outputs) or, with DPO's
+    ``outputs``, as DPOTrainer does."""
+    mask, compact, (log_probs, entropy, *_) = _trl_apply(module, hidden, weight, labels, None, None, 1.0, outputs)
     weights = token_weights[mask] if compact else token_weights.masked_fill(~mask, 0).reshape(-1)
     total = (log_probs * weights).sum()
     if entropy_weight:
