@@ -30,9 +30,9 @@ the inputs and the gradient tensors, for:
                formed in forward (token_stats) where TRL's head recomputes
   token_rl_kept  token_rl with keep_logits=True: the logits kept from forward for backward (trainable head
                only: three matmuls instead of four, N x V bf16 more memory)
-  token_dpo, trl_dpo   DPO's head call: sum(a * logprobs) with one fixed random weight per 512-token sequence
+  token_dpo, trl_dpo, token_dpo_kept   DPO's head call: sum(a * logprobs) with one fixed random weight per 512-token sequence
                (what DPO's sigmoid loss sends back), with the outputs DPOTrainer asks for (entropy, is_top1,
-               mean_logits), through token_stats and through TRL's head
+               mean_logits), through token_stats (_kept: keep_logits=True) and through TRL's head
 Accuracy: relative error (L2 norm) of loss, dX and dW against a float64 computation of the same inputs.
 Data: logits std ~4 with labels sampled from the model's own softmax ("realistic"), or near-uniform
 logits; a fraction of labels set to -100.
@@ -236,9 +236,13 @@ def dpo_weights(y: torch.Tensor) -> torch.Tensor:
     return _token_weights[key]
 
 
-def impl_token_dpo(x, w, y, scaling):
-    out = token_stats(x, w, y, extra_outputs=("mean_logits",))
+def impl_token_dpo(x, w, y, scaling, keep_logits=False):
+    out = token_stats(x, w, y, extra_outputs=("mean_logits",), keep_logits=keep_logits)
     return (out.logprobs * dpo_weights(y)).sum()
+
+
+def impl_token_dpo_kept(x, w, y, scaling):
+    return impl_token_dpo(x, w, y, scaling, keep_logits=True)
 
 
 def peer_trl_dpo():
@@ -248,7 +252,7 @@ def peer_trl_dpo():
 
 
 #: rows whose objective is a weighted sum of log-probabilities (no forward-only mode, no cross-entropy reference)
-WEIGHTED_ROWS = ("token_rl", "trl_rl", "token_rl_kept", "token_dpo", "trl_dpo")
+WEIGHTED_ROWS = ("token_rl", "trl_rl", "token_rl_kept", "token_dpo", "token_dpo_kept", "trl_dpo")
 
 
 def implementations(env, include_variants=True):
@@ -268,6 +272,7 @@ def implementations(env, include_variants=True):
             impls["token_rl_kept"] = impl_token_rl_kept
         if "extra_outputs" in inspect.signature(token_stats).parameters:  # (not before session 12)
             impls["token_dpo"] = impl_token_dpo
+            impls["token_dpo_kept"] = impl_token_dpo_kept
     if "trl_head" in impls:
         impls["trl_rl"] = peer_trl_rl()
         impls["trl_dpo"] = peer_trl_dpo()
@@ -465,7 +470,7 @@ def main():
                         continue  # (the frozen-head targets)
                 if mode == "forward" and name in ("token_sft", *WEIGHTED_ROWS):
                     continue
-                if mode == "frozen_head" and name == "token_rl_kept":  # (nothing is kept for a frozen head)
+                if mode == "frozen_head" and name in ("token_rl_kept", "token_dpo_kept"):  # (nothing is kept)
                     continue
                 row = dict(key, impl=name)
                 try:

@@ -408,11 +408,15 @@ def _assert_same_logs(got, want, tol=1e-5):
     assert len(got_logs) == len(want_logs)
     for g, w in zip(got_logs, want_logs):
         assert g.keys() == w.keys()
+        # KTO's KL is a difference of summed log-probabilities (policy - reference): its round-off is that of
+        # the sums (the logged logps/*), not of the small difference (on CUDA the two heads' matmuls round apart)
+        logps = [abs(v) for k, v in w.items() if "logps/" in k and isinstance(v, float)]
         for key, value in w.items():
             if isinstance(value, float) and key not in ("train_runtime", "train_samples_per_second",
                                                         "train_steps_per_second", "eval_runtime",
                                                         "eval_samples_per_second", "eval_steps_per_second"):
-                assert g[key] == pytest.approx(value, rel=tol, abs=1e-6), key
+                slack = tol * max(logps) if key.endswith("kl") and logps else 1e-6
+                assert g[key] == pytest.approx(value, rel=tol, abs=slack), key
     assert got_params.keys() == want_params.keys()
     for name, value in want_params.items():
         assert rel_err(got_params[name], value) <= tol, name
