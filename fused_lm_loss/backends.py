@@ -89,6 +89,15 @@ class Backend(Protocol):
         a = ``grad_logprob``, b = ``grad_entropy`` (fp32, or None: that term absent); ``logits`` may be any
         columns of the vocabulary (a tile: ``lse`` / ``entropy`` are the whole row's, ``target`` -1 elsewhere)."""
 
+    def divergence_rows(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                        divergence_out: torch.Tensor, entropy_out: torch.Tensor | None, grad_out: torch.Tensor | None,
+                        row_weight: torch.Tensor | None, *, student: LogitTransform, teacher: LogitTransform,
+                        beta: float) -> None:
+        """Per row of a student's and a teacher's logits chunks (the whole vocabulary each): the divergence
+        (``beta`` 0: KL(teacher || student), 1: KL(student || teacher), between: the generalized JSD), the
+        student's entropy when asked, and ``row_weight`` times d divergence / d student logits into ``grad_out``
+        (may be ``student_logits`` itself); see ``divergence.py``."""
+
 
 _chosen: str | None = None  # set by use_backend(); None: the environment variable, else the device decides
 

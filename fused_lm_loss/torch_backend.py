@@ -182,3 +182,56 @@ def token_grad_logits(
         expected_z = lse - entropy
         grad += grad_entropy[:, None] * torch.where(p > 0, p * (expected_z[:, None] - z), torch.zeros_like(p))
     out.copy_(transform.chain(grad, capped))
+
+
+def divergence_rows(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    divergence_out: torch.Tensor,
+    entropy_out: torch.Tensor | None,
+    grad_out: torch.Tensor | None,
+    row_weight: torch.Tensor | None,
+    *,
+    student: LogitTransform,
+    teacher: LogitTransform,
+    beta: float,
+) -> None:
+    """Per row of two (rows, V) chunks holding the whole vocabulary (raw logits x_s, x_t; p_s = softmax(z_s),
+    p_t = softmax(z_t) of the loss-space logits of each side's transform): the divergence into
+    ``divergence_out`` (fp32), the student's entropy into ``entropy_out`` (when given), and into ``grad_out`` (may
+    be ``student_logits`` itself; its dtype) ``row_weight[i]`` (1 when None) times d divergence_i / d x_s::
+
+        beta = 0:  KL(p_t || p_s) = sum_j p_t (log p_t - log p_s)          d/dz_s = p_s - p_t
+        beta = 1:  KL(p_s || p_t) = sum_j p_s (log p_s - log p_t)          d/dz_s = p_s (log p_s - log p_t - KL)
+        else:      beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = beta p_t + (1 - beta) p_s
+                                                                 d/dz_s = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+
+    p log p is 0 where p is 0 (a -inf logit carries nothing), as ``torch.special.xlogy``.
+    """
+    z_s, capped = student.apply(student_logits)
+    z_t, _ = teacher.apply(teacher_logits)
+    log_ps, log_pt = torch.log_softmax(z_s, dim=1), torch.log_softmax(z_t, dim=1)
+    p_s, p_t = log_ps.exp(), log_pt.exp()
+
+    def kl(p, log_p, log_q):  # sum_j p (log p - log q), 0 where p = 0
+        return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=1)
+
+    if beta == 0.0:
+        value = kl(p_t, log_pt, log_ps)
+        grad_z = p_s - p_t if grad_out is not None else None
+    else:
+        if beta == 1.0:
+            log_m, weight = log_pt, 1.0
+            value = aux = kl(p_s, log_ps, log_pt)
+        else:
+            log_m = torch.logaddexp(log_pt + torch.log(torch.tensor(beta)), log_ps + torch.log1p(torch.tensor(-beta)))
+            aux = kl(p_s, log_ps, log_m)
+            value, weight = beta * kl(p_t, log_pt, log_m) + (1.0 - beta) * aux, 1.0 - beta
+        grad_z = None
+        if grad_out is not None:
+            grad_z = torch.where(p_s > 0, weight * p_s * (log_ps - log_m - aux[:, None]), 0.0)
+    divergence_out.copy_(value)
+    if entropy_out is not None:
+        entropy_out.copy_(-torch.where(p_s > 0, p_s * log_ps, 0.0).sum(dim=1))
+    if grad_out is not None:
+        grad_out.copy_(student.chain(grad_z, capped, row_scale=row_weight))

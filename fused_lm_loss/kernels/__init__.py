@@ -5,6 +5,7 @@ kernels share are ``transform.py`` (the logit transform and its chain rule) and 
 merges).
 """
 from . import matmul_stats
+from .divergence import divergence_rows
 from .grad_logits import grad_logits, token_grad_logits
 from .matmul_stats import matmul_partials
 from .matmul_stats import partial_bytes_per_row as matmul_partial_bytes_per_row
@@ -16,6 +17,7 @@ from .token_stats import token_stats
 name = "triton"
 
 __all__ = [
-    "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats", "merge_partials", "name",
-    "row_losses", "row_stats", "select_rows", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
+    "divergence_rows", "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats",
+    "merge_partials", "name", "row_losses", "row_stats", "select_rows", "supports_stats_in_matmul",
+    "token_grad_logits", "token_stats",
 ]
