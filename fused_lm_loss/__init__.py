@@ -6,11 +6,14 @@
     model = fused_lm_loss.patch(model)     # a Hugging Face causal LM (or peft model) trains with it
 
     out = fused_lm_loss.token_stats(hidden, lm_head.weight, labels)   # per-token logprobs, entropy, ... (RL)
+    loss = fused_lm_loss.fused_divergence(student_h, student_w, teacher_h, teacher_w, labels)   # distillation
 """
 from .backends import use_backend
+from .divergence import FusedDivergence, fused_divergence
 from .integrations import patch, unpatch
 from .loss import FusedLMLoss, fused_linear_cross_entropy
 from .per_token import TokenStats, token_stats
 
-__all__ = ["FusedLMLoss", "TokenStats", "fused_linear_cross_entropy", "patch", "token_stats", "unpatch", "use_backend"]
+__all__ = ["FusedDivergence", "FusedLMLoss", "TokenStats", "fused_divergence", "fused_linear_cross_entropy", "patch",
+           "token_stats", "unpatch", "use_backend"]
 __version__ = "0.1.0"

@@ -1,0 +1,455 @@
+"""Teacher-student divergence of two LM heads, without either N x V logits (knowledge distillation).
+
+For each selected token i, with x_s = h_s W_s^T (+ b_s) and x_t = h_t W_t^T (+ b_t) the two heads' raw logits,
+z = softcap(scale * x) / temperature each side's loss-space logits (``transform.py``), p_s = softmax(z_s) and
+p_t = softmax(z_t)::
+
+    kind="forward_kl"   KL(p_t || p_s) = sum_j p_t (log p_t - log p_s)                 (TRL: beta = 0)
+    kind="reverse_kl"   KL(p_s || p_t)                                                   (TRL: beta = 1)
+    kind="jsd"          beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = beta p_t + (1 - beta) p_s
+
+and optionally the student's entropy. Only the student gets gradients (hidden states, weight, bias); the teacher's
+matmul runs once. Per chunk of selected rows: both logits chunks by cuBLAS, one backend step
+(``divergence_rows``: the Triton kernel in ``kernels/divergence.py`` on CUDA, its PyTorch twin in
+``torch_backend.py`` otherwise) writes the divergence and, in place of the student's logits, d div_i / d x_s with
+weight 1 per row; then dX rows = G @ W_s and dW_s += G^T h_s. Backward weights dX per row (exact for any
+grad_output); dW_s and db_s are rescaled when grad_output is one value over the selected rows (mean, sum) and
+recomputed with the per-row weights otherwise (``reduction="none"`` with per-token weights).
+
+Precision: both logits chunks in fp32, straight from the matmul's fp32 accumulator (cuBLAS ``out_dtype`` on CUDA):
+a divergence between close distributions is a small difference of log-probabilities, which logits rounded to bf16
+(about +-0.03 at |z| ~ 8) would swamp; softmax, divergence and gradient math in fp32; the chunk's gradient G in
+the student's matmul dtype (the operand of the dX and dW matmuls); dX (N x H) and dW (V x H) kept in fp32 until
+backward (one rounding whatever grad_output is); outputs fp32.
+
+Example::
+
+    loss = fused_divergence(student_h, student.lm_head.weight, teacher_h, teacher.lm_head.weight, labels,
+                            kind="jsd", beta=0.5, temperature=2.0)
+    loss.backward()                        # student gradients only
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .backends import get_backend
+from .chunked import _logits_into, _matmul_accumulate, label_ids
+from .inputs import reject_dtensor
+from .ops_common import apply_factor, refuse_double_backward, traced
+from .plan import max_chunk_rows, split_rows
+from .transform import LogitTransform
+
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+REDUCTIONS = ("mean", "sum", "none")
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class DivergenceOptions:
+    """The options of a divergence, validated once where they are made."""
+
+    kind: str = "forward_kl"
+    beta: float = 0.5  # the mixture weight of the teacher, for kind="jsd"
+    temperature: float = 1.0
+    student_logit_scale: float = 1.0
+    student_softcap: Optional[float] = None
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: Optional[float] = None
+    ignore_index: int = -100
+    reduction: str = "mean"
+    chunk_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        for name in ("beta", "temperature", "student_logit_scale", "teacher_logit_scale", "student_softcap",
+                     "teacher_softcap"):
+            value = getattr(self, name)
+            if value is None and name.endswith("softcap"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if name == "beta":
+                if self.kind == "jsd" and not 0.0 < value < 1.0:
+                    raise ValueError(f"beta must be in (0, 1) for kind='jsd' (0 and 1 are the two KLs), got {value}")
+            elif value <= 0.0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+
+    @property
+    def mixture_beta(self) -> float:
+        """The teacher's weight in the mixture: 0 for the forward KL, 1 for the reverse KL (as TRL's beta)."""
+        return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(self.kind, float(self.beta))
+
+    @property
+    def student(self) -> LogitTransform:
+        return LogitTransform(self.student_logit_scale, self.student_softcap, self.temperature)
+
+    @property
+    def teacher(self) -> LogitTransform:
+        return LogitTransform(self.teacher_logit_scale, self.teacher_softcap, self.temperature)
+
+    @classmethod
+    def from_beta(cls, beta: float, **options) -> "DivergenceOptions":
+        """TRL's spelling: beta 0 is the forward KL, 1 the reverse KL, anything between the generalized JSD."""
+        kind = "forward_kl" if beta == 0.0 else "reverse_kl" if beta == 1.0 else "jsd"
+        return cls(kind=kind, beta=float(beta) if kind == "jsd" else 0.5, **options)
+
+
+class DivergenceOutput(NamedTuple):
+    divergence: Tensor  # reduced as asked; differentiable w.r.t. the student
+    entropy: Tensor  # the student's entropy per token (0 at ignored positions), fp32, detached
+
+
+# ---- the chunk loop ---------------------------------------------------------------------------------------------
+
+
+def _chunk_rows(opts: DivergenceOptions, count: int, student_hidden: Tensor, teacher_hidden: Tensor,
+                student_weight: Tensor, need_weight: bool) -> int:
+    """Rows per chunk: both logits chunks and G within the loss's budget (plan.max_chunk_rows), plus, with a
+    trainable head, the returned dW's bytes: that dW exists only in backward, after the chunks are freed, beside the
+    fp32 accumulator saved for it, so the peak stays that of backward (fewer chunks: fewer passes over the
+    accumulator)."""
+    vocab = student_weight.shape[0]
+    per_row = vocab * (4 + 4 + (student_hidden.element_size() if student_hidden.dtype != F32 else 0))
+    per_row += student_hidden.shape[1] * (student_hidden.element_size() + 4)
+    per_row += teacher_hidden.shape[1] * teacher_hidden.element_size()
+    result = student_weight.numel() * student_weight.element_size() if need_weight else 0
+    return split_rows(count, max_chunk_rows(count, per_row, opts.chunk_size, 0, result))
+
+
+def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+         teacher_bias, positions: Tensor, n_tokens: int, *, row_weight: Tensor | None, need_hidden: bool,
+         need_weight: bool, need_bias: bool, need_entropy: bool):
+    """(divergence, entropy or None) of the selected rows (``positions``: int64 indices), and the gradients of
+    sum_i row_weight_i div_i (row weights 1 when None) that are asked for: dX (n_tokens, H) fp32 (zero rows
+    elsewhere), dW and db fp32."""
+    backend = get_backend(student_hidden.device)
+    device, count, vocab = student_hidden.device, positions.numel(), student_weight.shape[0]
+    rows = _chunk_rows(opts, count, student_hidden, teacher_hidden, student_weight, need_weight)
+    divergence = torch.empty(count, dtype=F32, device=device)
+    entropy = torch.empty(count, dtype=F32, device=device) if need_entropy else None
+    d_hidden = torch.zeros(n_tokens, student_hidden.shape[1], dtype=F32, device=device) if need_hidden else None
+    d_weight = torch.zeros(student_weight.shape, dtype=F32, device=device) if need_weight else None
+    d_bias = torch.zeros(vocab, dtype=F32, device=device) if need_bias else None
+    grads = need_hidden or need_weight or need_bias
+    mm_dtype = student_hidden.dtype
+    student_buffer, teacher_buffer = (torch.empty(rows * vocab, dtype=F32, device=device) for _ in range(2))
+    # G in the matmul dtype: in place of fp32 logits only when that is the matmul dtype
+    grad_buffer = torch.empty(rows * vocab, dtype=mm_dtype, device=device) if grads and mm_dtype != F32 else None
+    for start in range(0, count, rows):
+        end = min(start + rows, count)
+        index = positions[start:end]
+        h_s, h_t = student_hidden.index_select(0, index), teacher_hidden.index_select(0, index)
+        x_s, x_t = (buffer[: (end - start) * vocab].view(end - start, vocab) for buffer in (student_buffer,
+                                                                                            teacher_buffer))
+        _logits_into(x_s, h_s, student_weight, student_bias)
+        _logits_into(x_t, h_t, teacher_weight, teacher_bias)
+        g = None if not grads else x_s if grad_buffer is None else grad_buffer[: (end - start) * vocab].view(x_s.shape)
+        backend.divergence_rows(
+            x_s, x_t, divergence[start:end], None if entropy is None else entropy[start:end], g,
+            None if row_weight is None else row_weight[start:end], student=opts.student, teacher=opts.teacher,
+            beta=opts.mixture_beta,
+        )
+        if need_hidden:
+            dx = torch.empty(end - start, student_hidden.shape[1], dtype=F32, device=device)
+            _matmul_accumulate(dx, g, student_weight, first=True)
+            d_hidden.index_copy_(0, index, dx)
+        if need_weight:
+            _matmul_accumulate(d_weight, g.t(), h_s, first=False)
+        if need_bias:
+            d_bias += g.sum(dim=0, dtype=F32)
+    return divergence, entropy, d_hidden, d_weight, d_bias
+
+
+def _scatter(values: Tensor, positions: Tensor, n_tokens: int) -> Tensor:
+    return values.new_zeros(n_tokens).index_copy_(0, positions, values)
+
+
+# ---- the operators ----------------------------------------------------------------------------------------------
+
+
+def _options(beta: float, temperature: float, student_scale: float, student_softcap: Optional[float],
+             teacher_scale: float, teacher_softcap: Optional[float], chunk_size: Optional[int]) -> DivergenceOptions:
+    return DivergenceOptions.from_beta(beta, temperature=temperature, student_logit_scale=student_scale,
+                                       student_softcap=student_softcap, teacher_logit_scale=teacher_scale,
+                                       teacher_softcap=teacher_softcap, chunk_size=chunk_size)
+
+
+def _absent(device) -> Tensor:
+    return torch.empty(0, dtype=F32, device=device)
+
+
+@torch.library.custom_op("fused_lm_loss::linear_divergence", mutates_args=())
+def linear_divergence(
+    student_hidden: Tensor, student_weight: Tensor, student_bias: Optional[Tensor], teacher_hidden: Tensor,
+    teacher_weight: Tensor, teacher_bias: Optional[Tensor], selected: Tensor, needs: Sequence[bool],
+    need_entropy: bool, *, beta: float, temperature: float, student_scale: float, student_softcap: Optional[float],
+    teacher_scale: float, teacher_softcap: Optional[float], chunk_size: Optional[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(divergence (N,), entropy (N,) or (0,), then the gradients of sum_i div_i w.r.t. the student's hidden
+    states (N, H), weight (V, H) and bias (V,) in fp32, each (0,) unless ``needs`` asks for it). ``selected``
+    (N,) bool marks the rows with a divergence; the others give 0 and no gradient."""
+    opts = _options(beta, temperature, student_scale, student_softcap, teacher_scale, teacher_softcap, chunk_size)
+    positions = selected.nonzero().view(-1)
+    n = selected.numel()
+    divergence, entropy, *grads = _run(opts, student_hidden, student_weight, student_bias, teacher_hidden,
+                                       teacher_weight, teacher_bias, positions, n, row_weight=None,
+                                       need_hidden=needs[0], need_weight=needs[1], need_bias=needs[2],
+                                       need_entropy=need_entropy)
+    device = student_hidden.device
+    return (_scatter(divergence, positions, n), _absent(device) if entropy is None else _scatter(entropy, positions, n),
+            *(_absent(device) if g is None else g for g in grads))
+
+
+@linear_divergence.register_fake
+def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, selected, needs,
+      need_entropy, **options):
+    n, device = selected.numel(), student_hidden.device
+    shapes = ((n, student_hidden.shape[1]), tuple(student_weight.shape), (student_weight.shape[0],))
+    return (torch.empty(n, dtype=F32, device=device), torch.empty(n if need_entropy else 0, dtype=F32, device=device),
+            *(torch.empty(shape if need else (0,), dtype=F32, device=device) for shape, need in zip(shapes, needs)))
+
+
+@torch.library.custom_op("fused_lm_loss::linear_divergence_backward", mutates_args=())
+def linear_divergence_backward(
+    student_hidden: Tensor, student_weight: Tensor, student_bias: Optional[Tensor], teacher_hidden: Tensor,
+    teacher_weight: Tensor, teacher_bias: Optional[Tensor], selected: Tensor, grad_divergence: Tensor,
+    d_hidden: Tensor, d_weight: Tensor, d_bias: Tensor, needs: Sequence[bool], *, beta: float, temperature: float,
+    student_scale: float, student_softcap: Optional[float], teacher_scale: float, teacher_softcap: Optional[float],
+    chunk_size: Optional[int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The student's gradients of sum_i g_i div_i (g = ``grad_divergence``), in the inputs' dtypes ((0,) where not
+    needed): dX rows weighted by g; dW and db rescaled when g is one value over the selected rows, else recomputed
+    with the per-row weights."""
+    g = torch.where(selected, grad_divergence.float(), 0.0)
+    out = [_absent(student_hidden.device) for _ in range(3)]
+    if needs[0]:
+        out[0] = (d_hidden * g[:, None]).to(student_hidden.dtype)
+    if needs[1] or needs[2]:
+        positions = selected.nonzero().view(-1)
+        weights = g.index_select(0, positions)
+        factor = _uniform(weights)
+        if factor is None:
+            opts = _options(beta, temperature, student_scale, student_softcap, teacher_scale, teacher_softcap,
+                            chunk_size)
+            *_, d_weight, d_bias = _run(opts, student_hidden, student_weight, student_bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, positions, selected.numel(), row_weight=weights,
+                                        need_hidden=False, need_weight=needs[1], need_bias=needs[2],
+                                        need_entropy=False)
+            factor = 1.0
+        if needs[1]:
+            out[1] = (d_weight * factor).to(student_weight.dtype)
+        if needs[2]:
+            out[2] = (d_bias * factor).to(student_bias.dtype)
+    return tuple(out)
+
+
+@linear_divergence_backward.register_fake
+def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, selected,
+      grad_divergence, d_hidden, d_weight, d_bias, needs, **options):
+    inputs = (student_hidden, student_weight, student_bias)
+    return tuple(torch.empty(x.shape if need else (0,), dtype=x.dtype if need else F32, device=student_hidden.device)
+                 for x, need in zip(inputs, needs))
+
+
+def _uniform(weights: Tensor) -> float | None:
+    """The one value of the selected rows' weights (0 without rows), or None; one host sync."""
+    if weights.numel() == 0:
+        return 0.0
+    low, high = torch.stack([weights.amin(), weights.amax()]).tolist()
+    return low if low == high else None
+
+
+_OPTION_NAMES = ("beta", "temperature", "student_scale", "student_softcap", "teacher_scale", "teacher_softcap",
+                 "chunk_size")
+
+
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    *tensors, selected, needs, _ = inputs
+    _, _, d_hidden, d_weight, d_bias = output
+    ctx.needs, ctx.options = tuple(needs), dict(keyword_only_inputs)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*tensors, selected, d_hidden, d_weight, d_bias)
+
+
+def _backward(ctx, grad_divergence, *unused):
+    refuse_double_backward(grad_divergence)
+    none = (None,) * 6  # teacher tensors, selected, needs, need_entropy: no gradient
+    if grad_divergence is None or not any(ctx.needs):
+        return (None,) * 3 + none
+    *tensors, selected, d_hidden, d_weight, d_bias = ctx.saved_tensors
+    if not traced(grad_divergence) and not ctx.needs[0]:
+        # eager, frozen hidden states: a uniform weight rescales the vocabulary side here, with no new op call
+        factor = _uniform(torch.where(selected, grad_divergence.float(), 0.0)[selected])
+        if factor is not None:
+            made = [(g, x.dtype) for g, x, need in zip((d_weight, d_bias), tensors[1:3], ctx.needs[1:]) if need]
+            scaled = iter(apply_factor([g for g, _ in made], [dtype for _, dtype in made], factor))
+            return (None, *(next(scaled) if need else None for need in ctx.needs[1:]), *none)
+    grads = linear_divergence_backward(*tensors, selected, grad_divergence, d_hidden, d_weight, d_bias,
+                                       list(ctx.needs), **ctx.options)
+    return (*(g if need else None for g, need in zip(grads, ctx.needs)), *none)
+
+
+linear_divergence.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- the API ----------------------------------------------------------------------------------------------------
+
+
+def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
+                    teacher_weight: Tensor, labels: Tensor | None = None, *, student_bias: Tensor | None = None,
+                    teacher_bias: Tensor | None = None, mask: Tensor | None = None,
+                    return_entropy: bool = False) -> Tensor | DivergenceOutput:
+    """``fused_divergence`` with options made elsewhere (``DivergenceOptions``)."""
+    for name, t in (("student_hidden", student_hidden), ("student_weight", student_weight),
+                    ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        reject_dtensor(name, t)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t!r}")
+    if student_weight.dim() != 2 or teacher_weight.dim() != 2:
+        raise ValueError(f"the weights must be (V, H), got {tuple(student_weight.shape)} and "
+                         f"{tuple(teacher_weight.shape)}")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"the student's and the teacher's vocabularies differ: {student_weight.shape[0]} and "
+                         f"{teacher_weight.shape[0]} classes")
+    batch = tuple(student_hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != batch:
+        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden "
+                         f"{tuple(teacher_hidden.shape)} must have the same leading (token) dimensions")
+    for name, hidden, weight in (("student", student_hidden, student_weight), ("teacher", teacher_hidden,
+                                                                               teacher_weight)):
+        if hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{name}_hidden has {hidden.shape[-1]} features but {name}_weight expects "
+                             f"{weight.shape[1]}")
+    for name, bias, weight in (("student_bias", student_bias, student_weight), ("teacher_bias", teacher_bias,
+                                                                                 teacher_weight)):
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{name} must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if labels is not None and mask is not None:
+        raise ValueError("give labels (positions equal to ignore_index are left out) or mask, not both")
+    n = math.prod(batch)
+    if labels is not None:
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+        if tuple(labels.shape) != batch:
+            raise ValueError(f"labels {tuple(labels.shape)} must match the hidden states' leading dimensions {batch}")
+        selected = label_ids(labels) != opts.ignore_index
+    elif mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != batch:
+            raise ValueError(f"mask must be a bool tensor of shape {batch}, got {mask.dtype} {tuple(mask.shape)}")
+        selected = mask.reshape(-1)
+    else:
+        selected = torch.ones(n, dtype=torch.bool, device=student_hidden.device)
+    device = student_hidden.device
+    if any(t is not None and t.device != device for t in (student_weight, teacher_hidden, teacher_weight, student_bias,
+                                                           teacher_bias, selected)):
+        raise ValueError("every tensor of a divergence must be on the student's hidden states' device")
+    student = _matmul_operands(student_hidden, student_weight, student_bias, "student")
+    teacher = _matmul_operands(teacher_hidden.detach(), teacher_weight.detach(),
+                               None if teacher_bias is None else teacher_bias.detach(), "teacher")
+    needs = [t is not None and t.requires_grad for t in student]
+    div, entropy, *_ = linear_divergence(
+        student[0].reshape(n, -1), student[1], student[2], teacher[0].reshape(n, -1), teacher[1], teacher[2],
+        selected.contiguous(), needs, return_entropy, beta=opts.mixture_beta, temperature=float(opts.temperature),
+        student_scale=float(opts.student_logit_scale),
+        student_softcap=None if opts.student_softcap is None else float(opts.student_softcap),
+        teacher_scale=float(opts.teacher_logit_scale),
+        teacher_softcap=None if opts.teacher_softcap is None else float(opts.teacher_softcap),
+        chunk_size=opts.chunk_size,
+    )
+    if opts.reduction == "none":
+        value = div.view(batch)
+    elif opts.reduction == "sum":
+        value = div.sum()
+    else:  # the mean over the selected positions (NaN without any, as F.cross_entropy's mean)
+        value = div.sum() / selected.sum()
+    return DivergenceOutput(value, entropy.view(batch)) if return_entropy else value
+
+
+def _matmul_operands(hidden, weight, bias, side: str):
+    """Under autocast, cast to its dtype as nn.Linear would; otherwise one dtype per side."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return tuple(None if t is None else t.to(dtype) for t in (hidden, weight, bias))
+    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
+    if len(dtypes) > 1:
+        raise ValueError(f"the {side}'s hidden states, weight and bias must share one dtype, got "
+                         f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast")
+    return hidden, weight, bias
+
+
+def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+                     labels: Tensor | None = None, *, student_bias: Tensor | None = None,
+                     teacher_bias: Tensor | None = None, mask: Tensor | None = None, kind: str = "forward_kl",
+                     beta: float = 0.5, temperature: float = 1.0, student_logit_scale: float = 1.0,
+                     student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
+                     teacher_softcap: float | None = None, ignore_index: int = -100, reduction: str = "mean",
+                     chunk_size: int | None = None, return_entropy: bool = False) -> Tensor | DivergenceOutput:
+    """The divergence between a student's and a teacher's next-token distributions (module docstring).
+
+    Args:
+        student_hidden (..., H_s), student_weight (V, H_s), teacher_hidden (..., H_t), teacher_weight (V, H_t):
+            the two heads' inputs (already shifted); hidden sizes may differ, vocabularies match.
+        labels: positions whose label is ``ignore_index`` are left out (0, no gradient); or ``mask`` (bool,
+            True where the divergence counts); neither: every position.
+        kind: "forward_kl" (KL(teacher || student)), "reverse_kl" (KL(student || teacher)) or "jsd" (the
+            generalized Jensen-Shannon divergence with the teacher's mixture weight ``beta``).
+        temperature: divides both sides' logits; each side's ``logit_scale`` / ``softcap`` are its model's.
+        reduction: "mean" over the selected positions, "sum", or "none" (shaped like the positions).
+        chunk_size: at most this many rows per chunk (default: by memory: both fp32 logits chunks within 240 MiB,
+            plus, with a trainable head, the returned dW's bytes).
+        return_entropy: also return the student's per-token entropy (detached): ``DivergenceOutput``.
+
+    Example::
+
+        loss = fused_divergence(hs, student.lm_head.weight, ht, teacher.lm_head.weight, labels, kind="reverse_kl")
+    """
+    opts = DivergenceOptions(kind=kind, beta=beta, temperature=temperature, student_logit_scale=student_logit_scale,
+                             student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale,
+                             teacher_softcap=teacher_softcap, ignore_index=ignore_index, reduction=reduction,
+                             chunk_size=chunk_size)
+    return divergence_with(opts, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+                           student_bias=student_bias, teacher_bias=teacher_bias, mask=mask,
+                           return_entropy=return_entropy)
+
+
+class FusedDivergence(nn.Module):
+    """``fused_divergence`` as a module: the options once, validated here.
+
+    Example::
+
+        distill = FusedDivergence(kind="jsd", beta=0.5, temperature=2.0)
+        loss = distill(hs, student.lm_head.weight, ht, teacher.lm_head.weight, labels)
+    """
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.return_entropy = bool(options.pop("return_entropy", False))
+        self.options = DivergenceOptions(**options)
+
+    def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *,
+                student_bias=None, teacher_bias=None, mask=None):
+        return divergence_with(self.options, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+                               student_bias=student_bias, teacher_bias=teacher_bias, mask=mask,
+                               return_entropy=self.return_entropy)
+
+    def extra_repr(self) -> str:
+        default = DivergenceOptions()
+        return ", ".join(f"{k}={v!r}" for k, v in vars(self.options).items() if v != getattr(default, k))
+
+
+__all__ = ["DivergenceOptions", "DivergenceOutput", "FusedDivergence", "KINDS", "divergence_with", "fused_divergence"]
