@@ -41,17 +41,44 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build(args: argparse.Namespace):
-    """(model, reference model or None, tokenizer, rows): a tiny random Llama, a word-level tokenizer over
-    "t0".."t4095", and preference rows whose chosen completions repeat the prompt's first word."""
+def word_tokenizer():
+    """A word-level tokenizer over "t0".."t4095", words split at spaces (for TRL's text datasets)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(0)
     fast = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
     fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2",
-                                                     unk_token="t1")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def StepTimer(cuda: bool):
+    """A TrainerCallback timing each optimizer step (``.times``, seconds; synchronized on CUDA)."""
+    import transformers
+
+    class Timer(transformers.TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], None
+
+        def on_step_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    return Timer()
+
+
+def build(args: argparse.Namespace):
+    """(model, reference model or None, tokenizer, rows): a tiny random Llama, ``word_tokenizer``, and preference
+    rows whose chosen completions repeat the prompt's first word."""
+    import transformers
+
+    torch.manual_seed(0)
+    tokenizer = word_tokenizer()
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = transformers.LlamaForCausalLM(config)
@@ -108,22 +135,7 @@ def train(args: argparse.Namespace, patched: bool) -> dict:
         config, trainer_class = trl.KTOConfig(**common), trl.KTOTrainer
     else:
         config, trainer_class = trl.DPOConfig(use_weighting=args.wpo, **common), trl.DPOTrainer
-
-    class Timer(transformers.TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], None
-
-        def on_step_begin(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = Timer()
+    timer = StepTimer(cuda)
     trainer = trainer_class(model=model, ref_model=reference, args=config, processing_class=tokenizer,
                             train_dataset=datasets.Dataset.from_list(rows), peft_config=peft_config,
                             callbacks=[timer])

@@ -19,6 +19,10 @@ and KTO's logit metrics and WPO weights; detached, as TRL gives them). What we c
 TRL adds, a DeepSpeed ZeRO-3 sharded head) runs TRL's own function, with a warning naming the trainer, once per
 trainer class and reason.
 
+The distillation trainer's teacher-student divergence (``trl.trainer.distillation_trainer``'s
+``ChunkedDivergenceFunction``) is replaced the same way: for a patched student it runs ``fused_divergence`` (the
+student's gradients made in forward, the teacher's matmul once); for any other student TRL's own function.
+
 TRL 0.x has no fused head: its SFTTrainer computes metrics from ``outputs.logits``, which a patched model does
 not make in training; ``check_caller`` raises a clear error there instead of TRL's ``AttributeError``.
 """
@@ -33,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..divergence import DivergenceOptions, divergence_with
 from ..options import LossOptions, check_supported
 from ..per_token import token_stats_with
 
@@ -42,6 +47,7 @@ _COMPUTED = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs
 # patch imports this module)
 _patched_models: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _trl_function: Any = None  # TRL's own _ChunkedLogProbFunction, once replaced
+_trl_divergence: Any = None  # TRL's own ChunkedDivergenceFunction (distillation), once replaced
 _warned: set = set()
 
 
@@ -76,6 +82,17 @@ def install() -> None:
 
     _trl_function = trl_utils._ChunkedLogProbFunction
     trl_utils._ChunkedLogProbFunction = FusedLogProbs
+    _install_divergence()
+
+
+def _install_divergence() -> None:
+    global _trl_divergence
+    try:
+        import trl.trainer.distillation_trainer as distillation
+    except ImportError:  # (its optional dependencies)
+        return
+    _trl_divergence = distillation.ChunkedDivergenceFunction
+    distillation.ChunkedDivergenceFunction = FusedDivergenceFunction
 
 
 def _owner(weight: torch.Tensor):
@@ -129,6 +146,42 @@ class FusedLogProbs:
             out.mean_logits,
             out.is_top1 if "is_top1" in outputs else None,
         )
+
+
+class FusedDivergenceFunction:
+    """Stands in for TRL's ``ChunkedDivergenceFunction`` (the distillation trainer's loss): same ``apply``
+    arguments and outputs, (per-token divergence, per-token student entropy), for every row it is given."""
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+              temperature=1.0, student_logit_scale=1.0, student_softcap=None, teacher_logit_scale=1.0,
+              teacher_softcap=None):
+        args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+                temperature, student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap)
+        if _owner(student_weight) is None:
+            return _trl_divergence.apply(*args)
+        if hasattr(student_weight, "ds_id") or hasattr(teacher_weight, "ds_id"):
+            trainer = _calling_trainer()
+            reason = "a DeepSpeed ZeRO-3 sharded lm_head is not supported by fused_lm_loss"
+            _warn_once((trainer, reason), f"fused_lm_loss: {reason} ({trainer}): TRL's own divergence runs for this "
+                       "call")
+            return _trl_divergence.apply(*args)
+        opts = DivergenceOptions.from_beta(
+            float(beta), temperature=float(temperature), student_logit_scale=float(student_logit_scale),
+            student_softcap=None if student_softcap is None else float(student_softcap),
+            teacher_logit_scale=float(teacher_logit_scale),
+            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap), reduction="none",
+        )
+        sides = []
+        for hidden, weight, bias in ((student_hidden, student_weight, student_bias),
+                                     (teacher_hidden, teacher_weight, teacher_bias)):
+            if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+                weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)  # as TRL
+            sides.append((hidden, weight, bias))
+        (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias) = sides
+        out = divergence_with(opts, student_hidden, student_weight, teacher_hidden, teacher_weight,
+                              student_bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
+        return out.divergence, out.entropy
 
 
 def _expected_grads(outputs) -> str:
