@@ -236,7 +236,7 @@ def linear_divergence_backward(
     g = torch.where(selected, grad_divergence.float(), 0.0)
     out = [_absent(student_hidden.device) for _ in range(3)]
     if needs[0]:
-        out[0] = (d_hidden * g[:, None]).to(student_hidden.dtype)
+        out[0] = torch.mul(d_hidden, g[:, None], out=torch.empty_like(student_hidden))
     if needs[1] or needs[2]:
         positions = selected.nonzero().view(-1)
         weights = g.index_select(0, positions)
@@ -249,10 +249,11 @@ def linear_divergence_backward(
                                         need_hidden=False, need_weight=needs[1], need_bias=needs[2],
                                         need_entropy=False)
             factor = 1.0
+        # (rounded once into the input's dtype: no fp32 V x H temporary beside the saved accumulator)
         if needs[1]:
-            out[1] = (d_weight * factor).to(student_weight.dtype)
+            out[1] = torch.mul(d_weight, factor, out=torch.empty_like(student_weight))
         if needs[2]:
-            out[2] = (d_bias * factor).to(student_bias.dtype)
+            out[2] = torch.mul(d_bias, factor, out=torch.empty_like(student_bias))
     return tuple(out)
 
 
