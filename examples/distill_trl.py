@@ -12,18 +12,14 @@ per step side by side (and, on CUDA, the step time and peak memory of each).
 from __future__ import annotations
 
 import argparse
-import math
-import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dpo_trl import VOCAB, StepTimer, word_tokenizer  # noqa: E402
+from trl_side_by_side import VOCAB, run_logged, side_by_side, step_timer, word_tokenizer  # noqa: E402
 
 METRICS = ("loss", "entropy", "completions/mean_length")
 
@@ -38,6 +34,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, patched: bool) -> dict:
+    """One run in this fresh process (``trl_side_by_side.run_logged``)."""
     import datasets
     import transformers
     import trl
@@ -46,11 +43,10 @@ def train(args: argparse.Namespace, patched: bool) -> dict:
 
     datasets.disable_progress_bars()
     torch.manual_seed(0)
-    student_config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    teacher_config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    student, teacher = transformers.LlamaForCausalLM(student_config), transformers.LlamaForCausalLM(teacher_config)
+    shape = dict(vocab_size=VOCAB, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    student = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=64, **shape))
+    teacher = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=128, **shape))  # a wider teacher
     if patched:
         fused_lm_loss.patch(student)  # <- the one line: the trainer's divergence runs on fused_lm_loss
     generator = torch.Generator().manual_seed(1)
@@ -62,39 +58,17 @@ def train(args: argparse.Namespace, patched: bool) -> dict:
         logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", seed=0, use_cpu=not cuda, bf16=cuda,
         beta=args.beta, max_completion_length=16, disable_tqdm=True, log_level="error",
     )
-    timer = StepTimer(cuda)
+    timer = step_timer(cuda)
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                       train_dataset=datasets.Dataset.from_list(rows),
                                       processing_class=word_tokenizer(), callbacks=[timer])
-    trainer.remove_callback(transformers.PrinterCallback)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [{k: log[k] for k in METRICS if k in log} for log in trainer.state.log_history if "loss" in log]
-    return {"logs": logs, "seconds": statistics.median(timer.times[2:] or timer.times),
-            "peak": torch.cuda.max_memory_allocated() if cuda else None}
+    return run_logged(trainer, timer, METRICS, cuda)
 
 
 def main() -> None:
     args = parse_args()
-    results = {}
-    for name, patched in (("TRL's divergence", False), ("fused_lm_loss", True)):
-        with mp.get_context("spawn").Pool(1) as pool:  # fresh processes: clean memory statistics
-            results[name] = pool.apply(train, (args, patched))
-    theirs, ours = results["TRL's divergence"]["logs"], results["fused_lm_loss"]["logs"]
-    names = [m for m in METRICS if theirs and m in theirs[0]]
-    print(f"\nDistillationTrainer (beta {args.beta}), {args.steps} steps of {args.batch_size} prompts on {args.device}: "
-          "TRL's own divergence vs the student patched with fused_lm_loss")
-    print(f"{'step':>5s}" + "".join(f"{m:>28s}" for m in names))
-    for step, (a, b) in enumerate(zip(theirs, ours), 1):
-        print(f"{step:>5d}" + "".join(f"{a.get(m, math.nan):>14.5f} /{b.get(m, math.nan):>12.5f}" for m in names))
-    worst = {m: max(abs(a[m] - b[m]) for a, b in zip(theirs, ours) if m in a and m in b) for m in names}
-    print("largest difference: " + ", ".join(f"{m} {d:.1e}" for m, d in worst.items()))
-    if args.device == "cuda":
-        for name, r in results.items():
-            print(f"{name:>16s}: median step {r['seconds'] * 1e3:.1f} ms, peak memory {r['peak'] / 2**30:.2f} GiB")
-    else:
-        print("(CPU: step time and memory are not shown; on a GPU the script prints both)")
+    side_by_side(train, args, f"DistillationTrainer (beta {args.beta}), {args.steps} steps of {args.batch_size} "
+                 f"prompts on {args.device}", METRICS, "TRL's divergence")
 
 
 if __name__ == "__main__":

@@ -14,20 +14,14 @@ side by side (and, on CUDA, the step time and peak memory of each).
 from __future__ import annotations
 
 import argparse
-import math
-import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-VOCAB = 4096
-nan = math.nan
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trl_side_by_side import VOCAB, run_logged, side_by_side, step_timer, word_tokenizer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,37 +33,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="LoRA on q_proj / v_proj (lm_head frozen)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser.parse_args()
-
-
-def word_tokenizer():
-    """A word-level tokenizer over "t0".."t4095", words split at spaces (for TRL's text datasets)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    fast = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1")
-
-
-def StepTimer(cuda: bool):
-    """A TrainerCallback timing each optimizer step (``.times``, seconds; synchronized on CUDA)."""
-    import transformers
-
-    class Timer(transformers.TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], None
-
-        def on_step_begin(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
-
-    return Timer()
 
 
 def build(args: argparse.Namespace):
@@ -109,9 +72,8 @@ def metric_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def train(args: argparse.Namespace, patched: bool) -> dict:
-    """One run in this fresh process: TRL's logged metrics per step, median step time, peak memory."""
+    """One run in this fresh process (``trl_side_by_side.run_logged``)."""
     import datasets
-    import transformers
     import trl
 
     import fused_lm_loss
@@ -135,45 +97,18 @@ def train(args: argparse.Namespace, patched: bool) -> dict:
         config, trainer_class = trl.KTOConfig(**common), trl.KTOTrainer
     else:
         config, trainer_class = trl.DPOConfig(use_weighting=args.wpo, **common), trl.DPOTrainer
-    timer = StepTimer(cuda)
+    timer = step_timer(cuda)
     trainer = trainer_class(model=model, ref_model=reference, args=config, processing_class=tokenizer,
                             train_dataset=datasets.Dataset.from_list(rows), peft_config=peft_config,
                             callbacks=[timer])
-    trainer.remove_callback(transformers.PrinterCallback)  # the table below prints what it would
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    names = metric_names(args)
-    logs = [{k: log[k] for k in names if k in log} for log in trainer.state.log_history if "loss" in log]
-    return {
-        "logs": logs,
-        "seconds": statistics.median(timer.times[2:] or timer.times),
-        "peak": torch.cuda.max_memory_allocated() if cuda else None,
-    }
+    return run_logged(trainer, timer, metric_names(args), cuda)
 
 
 def main() -> None:
     args = parse_args()
-    results = {}
-    for name, patched in (("TRL's head", False), ("fused_lm_loss", True)):
-        with mp.get_context("spawn").Pool(1) as pool:  # fresh processes: clean memory statistics
-            results[name] = pool.apply(train, (args, patched))
-    theirs, ours = results["TRL's head"]["logs"], results["fused_lm_loss"]["logs"]
-    names = [m for m in metric_names(args) if theirs and m in theirs[0]]
     trainer = "KTOTrainer" if args.kto else f"DPOTrainer{' (WPO)' if args.wpo else ''}"
-    print(f"\n{trainer}, {args.steps} steps of {args.batch_size} rows on {args.device}"
-          f"{' (LoRA q/v)' if args.lora else ''}: TRL's own fused head vs patched with fused_lm_loss")
-    print(f"{'step':>5s}" + "".join(f"{m:>24s}" for m in names))
-    for step, (a, b) in enumerate(zip(theirs, ours), 1):
-        # (a KTO batch without a desirable completion logs no */chosen)
-        print(f"{step:>5d}" + "".join(f"{a.get(m, nan):>12.5f} /{b.get(m, nan):>10.5f}" for m in names))
-    worst = {m: max(abs(a[m] - b[m]) for a, b in zip(theirs, ours) if m in a) for m in names}
-    print("largest difference: " + ", ".join(f"{m} {d:.1e}" for m, d in worst.items()))
-    if args.device == "cuda":
-        for name, r in results.items():
-            print(f"{name:>14s}: median step {r['seconds'] * 1e3:.1f} ms, peak memory {r['peak'] / 2**30:.2f} GiB")
-    else:
-        print("(CPU: step time and memory are not shown; on a GPU the script prints both)")
+    side_by_side(train, args, f"{trainer}, {args.steps} steps of {args.batch_size} rows on {args.device}"
+                 f"{' (LoRA q/v)' if args.lora else ''}", metric_names(args), "TRL's head")
 
 
 if __name__ == "__main__":

@@ -14,16 +14,14 @@ running the tiny model those say nothing about the GPU kernels and are not shown
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trl_side_by_side import VOCAB, run_logged, side_by_side, step_timer, word_tokenizer  # noqa: E402
 
 METRICS = ("loss", "entropy", "mean_token_accuracy")
 
@@ -50,13 +48,7 @@ def build(args: argparse.Namespace):
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         vocab = tokenizer.vocab_size
     else:
-        from tokenizers import Tokenizer, models
-
-        vocab = 4096
-        fast = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
-        tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=fast, pad_token="t0", eos_token="t2", unk_token="t1"
-        )
+        vocab, tokenizer = VOCAB, word_tokenizer()
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=args.seq_len,
@@ -73,9 +65,8 @@ def build(args: argparse.Namespace):
 
 
 def train(args: argparse.Namespace, patched: bool) -> dict:
-    """One SFT run in this fresh process: TRL's logged metrics per step, median step time, peak memory."""
+    """One SFT run in this fresh process (``trl_side_by_side.run_logged``)."""
     import datasets
-    import transformers
     import trl
 
     import fused_lm_loss
@@ -93,56 +84,16 @@ def train(args: argparse.Namespace, patched: bool) -> dict:
         logging_steps=1, learning_rate=3e-3, report_to=[], save_strategy="no", seed=0, use_cpu=not cuda,
         bf16=cuda, completion_only_loss=True, max_length=args.seq_len, disable_tqdm=True, log_level="error",
     )
-
-    class Timer(transformers.TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], None
-
-        def on_step_begin(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = Timer()
+    timer = step_timer(cuda)
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tokenizer, callbacks=[timer])
-    trainer.remove_callback(transformers.PrinterCallback)  # the table below prints what it would
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [{k: log[k] for k in METRICS if k in log} for log in trainer.state.log_history if "loss" in log]
-    return {
-        "logs": logs,
-        "seconds": statistics.median(timer.times[2:] or timer.times),
-        "peak": torch.cuda.max_memory_allocated() if cuda else None,
-    }
+    return run_logged(trainer, timer, METRICS, cuda)
 
 
 def main() -> None:
     args = parse_args()
-    results = {}
-    for name, patched in (("TRL's head", False), ("fused_lm_loss", True)):
-        with mp.get_context("spawn").Pool(1) as pool:  # fresh processes: clean memory statistics
-            results[name] = pool.apply(train, (args, patched))
-    theirs, ours = results["TRL's head"]["logs"], results["fused_lm_loss"]["logs"]
-    print(f"\nSFTTrainer, {args.steps} steps of {args.batch_size} x {args.seq_len} tokens on {args.device}"
-          f"{' (LoRA q/v)' if args.lora else ''}: TRL's own fused head vs patched with fused_lm_loss")
-    header = "".join(f"{m:>22s}" for m in METRICS)
-    print(f"{'step':>5s}{header}")
-    for step, (a, b) in enumerate(zip(theirs, ours), 1):
-        print(f"{step:>5d}" + "".join(f"{a[m]:>11.5f} /{b[m]:>9.5f}" for m in METRICS))
-    worst = {m: max(abs(a[m] - b[m]) for a, b in zip(theirs, ours)) for m in METRICS}
-    print("largest difference: " + ", ".join(f"{m} {d:.1e}" for m, d in worst.items()))
-    if args.device == "cuda":
-        for name, r in results.items():
-            print(f"{name:>14s}: median step {r['seconds'] * 1e3:.1f} ms, peak memory {r['peak'] / 2**30:.2f} GiB")
-    else:
-        print("(CPU: step time and memory are not shown; on a GPU the script prints both)")
+    side_by_side(train, args, f"SFTTrainer, {args.steps} steps of {args.batch_size} x {args.seq_len} tokens on "
+                 f"{args.device}{' (LoRA q/v)' if args.lora else ''}", METRICS, "TRL's head")
 
 
 if __name__ == "__main__":
