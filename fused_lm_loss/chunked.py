@@ -366,9 +366,9 @@ class LinearHead:
             logits = self.kept_logits.tensor[start:end]
         else:
             logits = _view(self.buffers.logits, end - start, last - first)
-        _logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
+        logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
         if self.u is not None:
-            _matmul_accumulate(logits, self.u_rows, self.b[tile].t(), first=False)
+            matmul_accumulate(logits, self.u_rows, self.b[tile].t(), first=False)
         return logits
 
     def grad_buffers(self, start: int, end: int, component: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -412,7 +412,7 @@ class LinearHead:
         else:
             part = self.row_parts[key]
         for k, term in enumerate(grad_terms):
-            _matmul_accumulate(part, term, vocab_operand, first=first_tile and k == 0)
+            matmul_accumulate(part, term, vocab_operand, first=first_tile and k == 0)
         if self.rows.index is not None and last_tile:
             out.index_copy_(0, self.rows.index[start:end], part)
             del self.row_parts[key]
@@ -497,7 +497,7 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def _logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = h @ W.T (+ b); ``out`` may be fp32 while h and W are bf16/fp16 (fp32 logits)."""
     if out.dtype == h.dtype:
         if bias is None:
@@ -505,12 +505,12 @@ def _logits_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias:
         else:
             torch.addmm(bias, h, weight.t(), out=out)
         return
-    _matmul_accumulate(out, h, weight.t(), first=True)
+    matmul_accumulate(out, h, weight.t(), first=True)
     if bias is not None:
         out += bias
 
 
-def _matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+def matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
     """acc = a @ b (first) or acc += a @ b, with acc possibly wider (fp32) than the operands.
 
     On CUDA the wide output comes straight out of cuBLAS (``out_dtype``, torch >= 2.8), so no
@@ -589,7 +589,7 @@ class _Accumulator:
         """total[rows] = a @ b (``first``: the first chunk) or += a @ b; ``rows``: a vocabulary tile's rows."""
         if self.total is None:
             self.total = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        _matmul_accumulate(self.total[rows], a, b, first=first)
+        matmul_accumulate(self.total[rows], a, b, first=first)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         """The sum in ``dtype`` (the accumulator itself when it already has that dtype)."""

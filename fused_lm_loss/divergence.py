@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .backends import get_backend
-from .chunked import _logits_into, _matmul_accumulate, label_ids
+from .chunked import logits_into, matmul_accumulate, label_ids
 from .inputs import reject_dtensor
 from .ops_common import apply_factor, refuse_double_backward, traced
 from .plan import max_chunk_rows, split_rows
@@ -154,8 +154,8 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
         h_s, h_t = student_hidden.index_select(0, index), teacher_hidden.index_select(0, index)
         x_s, x_t = (buffer[: (end - start) * vocab].view(end - start, vocab) for buffer in (student_buffer,
                                                                                             teacher_buffer))
-        _logits_into(x_s, h_s, student_weight, student_bias)
-        _logits_into(x_t, h_t, teacher_weight, teacher_bias)
+        logits_into(x_s, h_s, student_weight, student_bias)
+        logits_into(x_t, h_t, teacher_weight, teacher_bias)
         g = None if not grads else x_s if grad_buffer is None else grad_buffer[: (end - start) * vocab].view(x_s.shape)
         backend.divergence_rows(
             x_s, x_t, divergence[start:end], None if entropy is None else entropy[start:end], g,
@@ -164,10 +164,10 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
         )
         if need_hidden:
             dx = torch.empty(end - start, student_hidden.shape[1], dtype=F32, device=device)
-            _matmul_accumulate(dx, g, student_weight, first=True)
+            matmul_accumulate(dx, g, student_weight, first=True)
             d_hidden.index_copy_(0, index, dx)
         if need_weight:
-            _matmul_accumulate(d_weight, g.t(), h_s, first=False)
+            matmul_accumulate(d_weight, g.t(), h_s, first=False)
         if need_bias:
             d_bias += g.sum(dim=0, dtype=F32)
     return divergence, entropy, d_hidden, d_weight, d_bias

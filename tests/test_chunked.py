@@ -170,7 +170,7 @@ def test_no_grad_forward_takes_the_statistics_from_the_matmul(monkeypatch, case)
             m.setattr(kernels, "supports_stats_in_matmul", lambda hidden, weight: False)
             expected_same = stored(hidden, weight, labels, bias)
         assert launches == []
-        _forbid(monkeypatch, chunked, "_logits_into")
+        _forbid(monkeypatch, chunked, "logits_into")
         loss = FusedLMLoss(chunk_size=64, **options)(hidden, weight, labels, bias)
     n_rows = int((labels != -100).sum())
     step = plan.split_rows(n_rows, 64)
@@ -222,13 +222,13 @@ def test_ignored_rows_skip_the_matmul(monkeypatch):
     """Only non-ignored rows reach the logits matmul."""
     hidden, weight, labels, _ = make_inputs(64, 8, 30, ignore_frac=0.5)
     seen_rows = []
-    original = chunked._logits_into
+    original = chunked.logits_into
 
     def spy(out, h, *args):
         seen_rows.append(h.shape[0])
         return original(out, h, *args)
 
-    monkeypatch.setattr(chunked, "_logits_into", spy)
+    monkeypatch.setattr(chunked, "logits_into", spy)
     FusedLMLoss(chunk_size=16)(hidden, weight, labels)
     assert sum(seen_rows) == int((labels != -100).sum())
 
@@ -297,7 +297,7 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, regime):
     assert wide_kept == (regime == "small_batch")
     monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", budget)
     chunk_rows, accumulated = [], []
-    original_logits, original_add = chunked._logits_into, chunked._Accumulator.add
+    original_logits, original_add = chunked.logits_into, chunked._Accumulator.add
 
     def spy_logits(out, h, *args):
         chunk_rows.append(h.shape[0])
@@ -307,7 +307,7 @@ def test_chunks_use_the_fp32_accumulators_memory(backend, monkeypatch, regime):
         accumulated.append(self.dtype)
         return original_add(self, a, b, **kwargs)
 
-    monkeypatch.setattr(chunked, "_logits_into", spy_logits)
+    monkeypatch.setattr(chunked, "logits_into", spy_logits)
     monkeypatch.setattr(chunked._Accumulator, "add", spy_add)
     loss = FusedLMLoss()(hidden, weight, labels, bias)
     assert loss.grad_fn.saved_tensors[2].dtype == (torch.float32 if wide_kept else torch.bfloat16)
@@ -395,8 +395,8 @@ def test_per_token_recompute_over_vocabulary_tiles(backend, monkeypatch, options
     monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", n * 50 * per_logit + n * 200)
     monkeypatch.setattr(plan, "MIN_TILE_COLS", 16)
     widths = []
-    original = chunked._logits_into
-    monkeypatch.setattr(chunked, "_logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
+    original = chunked.logits_into
+    monkeypatch.setattr(chunked, "logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
     grad_output = torch.randn(n)
     loss.backward(grad_output)
     assert len(widths) > 2 and max(widths) < v and sum(widths) % v == 0, widths

@@ -17,12 +17,12 @@ N, H, V = 41, 16, 97
 
 
 class Spy:
-    """Counts the logits matmuls (``_logits_into``), the logits tiles the heads hand to the steps, and whether
+    """Counts the logits matmuls (``logits_into``), the logits tiles the heads hand to the steps, and whether
     each head was given kept logits."""
 
     def __init__(self, monkeypatch):
         self.matmuls, self.tile_widths, self.kept = 0, [], []
-        into, logits, init = chunked._logits_into, chunked.LinearHead.logits, chunked.LinearHead.__init__
+        into, logits, init = chunked.logits_into, chunked.LinearHead.logits, chunked.LinearHead.__init__
 
         def spy_into(*args):
             self.matmuls += 1
@@ -37,7 +37,7 @@ class Spy:
             init(head, *args, **kwargs)
             self.kept.append(head.kept_logits is not None)
 
-        monkeypatch.setattr(chunked, "_logits_into", spy_into)
+        monkeypatch.setattr(chunked, "logits_into", spy_into)
         monkeypatch.setattr(chunked.LinearHead, "logits", spy_logits)
         monkeypatch.setattr(chunked.LinearHead, "__init__", spy_init)
 

@@ -293,8 +293,8 @@ def _spy_tile_widths(monkeypatch):
     import fused_lm_loss.chunked as chunked
 
     widths = []
-    original = chunked._logits_into
-    monkeypatch.setattr(chunked, "_logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
+    original = chunked.logits_into
+    monkeypatch.setattr(chunked, "logits_into", lambda out, *args: widths.append(out.shape[1]) or original(out, *args))
     return widths
 
 

@@ -322,8 +322,8 @@ def test_rl_call_with_kept_logits(monkeypatch):
     hidden, targets = torch.randn(14, 32), torch.randint(0, VOCAB, (14,))
     a, b = torch.randn(14), torch.randn(14)
     matmuls = []
-    into = chunked._logits_into
-    monkeypatch.setattr(chunked, "_logits_into", lambda *args: matmuls.append(1) or into(*args))
+    into = chunked.logits_into
+    monkeypatch.setattr(chunked, "logits_into", lambda *args: matmuls.append(1) or into(*args))
     results = []
     for fn in (trl_integration._trl_function, ours):
         h = hidden.clone().requires_grad_(True)
