@@ -266,3 +266,21 @@ def test_operator_passes_opcheck(needs):
     args = (sh, sw, sb, th, tw, tb, labels != -100, needs, True)
     torch.library.opcheck(divergence_module.linear_divergence, args, options,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_autocast_casts_both_sides_as_linear_does():
+    """Under autocast the operands are cast to its dtype (as nn.Linear); the fp32 leaves get fp32 gradients, as
+    close to float64 as eager autocast's."""
+    sh, sw, sb, th, tw, tb, labels = make(n=32, v=200, bias=False)
+    sh.requires_grad_(True)
+    sw.requires_grad_(True)
+    with torch.autocast(sh.device.type, dtype=torch.bfloat16):
+        out = fused_divergence(sh, sw, th, tw, labels, kind="jsd", reduction="sum")
+    out.backward()
+    assert sh.grad.dtype == sw.grad.dtype == torch.float32
+    bf = [t.bfloat16().float() for t in (sh, sw, th, tw)]
+    value, _, leaves = reference(bf[0].requires_grad_(True), bf[1].requires_grad_(True), None, bf[2], bf[3], None,
+                                 labels != -100, beta=0.5)
+    value.sum().backward()
+    assert rel_err(out, value.sum()) <= 1e-5
+    assert rel_err(sh.grad, leaves["hidden"].grad) <= 1e-2 and rel_err(sw.grad, leaves["weight"].grad) <= 1e-2
