@@ -363,7 +363,8 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
                                None if teacher_bias is None else teacher_bias.detach(), "teacher")
     needs = [t is not None and t.requires_grad for t in student]
     div, entropy, *_ = linear_divergence(
-        student[0].reshape(n, -1), student[1], student[2], teacher[0].reshape(n, -1), teacher[1], teacher[2],
+        student[0].reshape(n, student[0].shape[-1]), student[1], student[2], teacher[0].reshape(n, teacher[0].shape[-1]),
+        teacher[1], teacher[2],
         selected.contiguous(), needs, return_entropy, beta=opts.mixture_beta, temperature=float(opts.temperature),
         student_scale=float(opts.student_logit_scale),
         student_softcap=None if opts.student_softcap is None else float(opts.student_softcap),

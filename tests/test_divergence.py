@@ -159,6 +159,13 @@ def test_teacher_gets_no_gradient_and_no_selected_rows():
     total.backward()
     assert total.item() == 0.0 and torch.all(sh.grad == 0)
     assert torch.isnan(fused_divergence(sh, sw, th, tw, none))  # the mean of nothing, as F.cross_entropy's
+    # no rows at all (an all-masked microbatch, compacted as TRL's trainer does): zeros, zero gradients
+    empty = sh[:0].detach().requires_grad_(True)
+    sw.requires_grad_(True)
+    out = fused_divergence(empty, sw, th[:0], tw, reduction="none", return_entropy=True)
+    (out.divergence.sum() + 0.0).backward()
+    assert out.divergence.shape == out.entropy.shape == (0,)
+    assert empty.grad.shape == (0, HS) and torch.all(sw.grad == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
