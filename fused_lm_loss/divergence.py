@@ -315,6 +315,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
                     teacher_bias: Tensor | None = None, mask: Tensor | None = None,
                     return_entropy: bool = False) -> Tensor | DivergenceOutput:
     """``fused_divergence`` with options made elsewhere (``DivergenceOptions``)."""
+    _check_flag("return_entropy", return_entropy)
     for name, t in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         reject_dtensor(name, t)
@@ -381,6 +382,12 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     return DivergenceOutput(value, entropy.view(batch)) if return_entropy else value
 
 
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _matmul_operands(hidden, weight, bias, side: str):
     """Under autocast, cast to its dtype as nn.Linear would; otherwise one dtype per side."""
     device_type = hidden.device.type
@@ -440,7 +447,7 @@ class FusedDivergence(nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        self.return_entropy = bool(options.pop("return_entropy", False))
+        self.return_entropy = _check_flag("return_entropy", options.pop("return_entropy", False))
         self.options = DivergenceOptions(**options)
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *,

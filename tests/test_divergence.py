@@ -225,6 +225,10 @@ def test_bad_arguments_raise():
         fused_divergence(sh, sw, th, tw, labels.float())
     with pytest.raises(ValueError, match="mask"):
         fused_divergence(sh, sw, th, tw, mask=labels)
+    with pytest.raises(ValueError, match="return_entropy"):
+        fused_divergence(sh, sw, th, tw, labels, return_entropy="yes")
+    with pytest.raises(ValueError, match="return_entropy"):
+        FusedDivergence(return_entropy=1)
 
 
 def test_module_matches_function():
