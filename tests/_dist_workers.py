@@ -462,3 +462,78 @@ def reference_step(scenario: DataParallelScenario, world: int) -> dict:
     torch.optim.SGD(model.parameters(), lr=scenario.lr).step()
     return {"grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 (tests/integrations/test_deepspeed.py)
+
+ZERO3_CASES = ("untied", "tied", "lora")
+
+
+def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
+    """Per case: a tiny Llama trained 3 SGD steps under DeepSpeed ZeRO-3 (every parameter partitioned), patched
+    with fused_lm_loss, beside an unpartitioned copy (gradients all-reduced and averaged). Returns each step's
+    loss and every full gradient (DeepSpeed's, after its reduction) for both, and the final parameters."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import copy
+
+    import deepspeed
+    import transformers
+
+    import fused_lm_loss
+
+    results = {}
+    for case in cases:
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          tie_word_embeddings=case == "tied")
+        torch.manual_seed(0)
+        reference = transformers.LlamaForCausalLM(config)
+        model = copy.deepcopy(reference)
+        if case == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+            model, reference = get_peft_model(model, lora), get_peft_model(reference, lora)
+            reference.load_state_dict(model.state_dict())
+        fused_lm_loss.patch(model)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # (DeepSpeed's default clips at 1.0)
+            # every parameter partitioned, however small (by default small ones stay whole and would hide a bug)
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                         if p.requires_grad], config=ds_config)
+        trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
+        out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 + 10 * rank + step)
+            ids = torch.randint(0, 96, (2, 12), generator=gen)
+            labels = ids.clone()
+            labels[:, :3] = -100
+            loss = engine(input_ids=ids, labels=labels).loss
+            engine.backward(loss)
+            out["grads"].append({n: deepspeed.utils.safe_get_full_grad(p).clone()
+                                 for n, p in engine.module.named_parameters() if p.requires_grad})
+            engine.step()
+            ref_loss = reference(input_ids=ids, labels=labels).loss
+            ref_loss.backward()
+            for _, p in trainable:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            out["ref_grads"].append({n: p.grad.clone() for n, p in trainable})
+            optimizer.step()
+            optimizer.zero_grad()
+            out["loss"].append(loss.item())
+            out["ref_loss"].append(ref_loss.item())
+        params = [p for _, p in engine.module.named_parameters()]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        results[case] = out
+        engine.destroy()
+    return results

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..loss import FusedLMLoss
 from ..options import LossOptions, check_supported
+from . import deepspeed as deepspeed_integration
 from . import peft as peft_integration
 from . import trl as trl_integration
 from .hf_config import model_options, unsupported
@@ -267,6 +268,7 @@ class _FusedForward:
             return self._run(state, functools.partial(causal_lm_loss, state.fused_options), args, kwargs)
         head = model.get_output_embeddings()
         _HeadForward.install(head, state)  # already there, unless peft replaced lm_head after patch()
+        deepspeed_integration.register_partitioned_head(model, head)  # ZeRO-3: gathered for backward too
         state.call = FusedCall(model, head, state.fused_options, labels, extra)
         try:
             outputs = self._run(state, state.call.loss_function, args, kwargs)

@@ -1,0 +1,31 @@
+"""DeepSpeed ZeRO-3 on CPU (gloo, two ranks): a patched model whose lm_head is partitioned trains as the
+unpartitioned model does: every step's loss, every gradient after DeepSpeed's reduction and the parameters after
+the optimizer steps, for untied and tied embeddings and for LoRA on the attention and on lm_head."""
+import pytest
+import torch
+
+from .. import _dist_workers as workers
+from .hf_models import rel_err
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    return workers.spawn(workers.zero3_worker, 2, tmp_path_factory.mktemp("zero3"), workers.ZERO3_CASES)
+
+
+@pytest.mark.parametrize("case", workers.ZERO3_CASES)
+def test_zero3_patched_model_trains_as_unpartitioned(zero3, case):
+    for rank in zero3:
+        out = rank[case]
+        assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
+        for got, want in zip(out["grads"], out["ref_grads"]):
+            assert got.keys() == want.keys() and got
+            for name in want:
+                assert rel_err(got[name], want[name]) <= 1e-5, (case, name)
+        if case == "lora":  # the trainable lm_head: LoRA's B reaches the fused loss as a weight of its own
+            assert any("lm_head" in name for name in out["grads"][0])
+        for name, value in out["ref_params"].items():
+            assert rel_err(out["params"][name], value) <= 1e-5, (case, name)
+        assert not torch.equal(out["params"][next(iter(out["ref_params"]))], torch.zeros(1))
