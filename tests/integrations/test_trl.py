@@ -76,10 +76,16 @@ def _train(tmp_path, *, impl: str, kind: str = "plain", lora: bool = False, grad
     )
     if impl == "patched_after":
         fused_lm_loss.patch(trainer.model, loss_fn)
+    return _trained(trainer, monkeypatch, "token_stats_with")
+
+
+def _trained(trainer, monkeypatch, spied: str):
+    """Train; (log history, final parameters, how often training called ``trl_integration.<spied>``: our kernels'
+    entry; 0 without ``monkeypatch``)."""
     calls = []
     if monkeypatch is not None:
-        original = trl_integration.token_stats_with
-        monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
+        original = getattr(trl_integration, spied)
+        monkeypatch.setattr(trl_integration, spied, lambda *a, **k: calls.append(1) or original(*a, **k))
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return trainer.state.log_history, params, len(calls)
@@ -393,13 +399,7 @@ def _train_preference(tmp_path, trainer: str, *, impl: str, lora: bool = False, 
         eval_dataset=datasets.Dataset.from_list(_preference_rows(trainer, 4, 1)), processing_class=_word_tokenizer(),
         peft_config=peft_config,
     )
-    calls = []
-    if monkeypatch is not None:
-        original = trl_integration.token_stats_with
-        monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
-    built.train()
-    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
-    return built.state.log_history, params, len(calls)
+    return _trained(built, monkeypatch, "token_stats_with")
 
 
 def _assert_same_logs(got, want, tol=1e-5):
@@ -490,13 +490,8 @@ def _distill(tmp_path, *, impl: str, beta: float, monkeypatch=None):
     rows = [{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (5,)))} for _ in range(8)]
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args,
                                       train_dataset=datasets.Dataset.from_list(rows), processing_class=_word_tokenizer())
-    calls = []
-    if monkeypatch is not None:
-        original = trl_integration.divergence_with
-        monkeypatch.setattr(trl_integration, "divergence_with", lambda *a, **k: calls.append(1) or original(*a, **k))
     with torch.device("cpu"):  # (TRL's RepeatSampler draws from a CPU generator: not under a CUDA default device)
-        trainer.train()
-    return trainer.state.log_history, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, len(calls)
+        return _trained(trainer, monkeypatch, "divergence_with")
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
