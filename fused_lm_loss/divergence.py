@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
-from .inputs import reject_dtensor
+from .inputs import check_gathered_for_backward, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, traced
 from .plan import max_chunk_rows, split_rows
 from .transform import LogitTransform
@@ -299,6 +299,8 @@ def _backward(ctx, grad_divergence, *unused):
             made = [(g, x.dtype) for g, x, need in zip((d_weight, d_bias), tensors[1:3], ctx.needs[1:]) if need]
             scaled = iter(apply_factor([g for g, _ in made], [dtype for _, dtype in made], factor))
             return (None, *(next(scaled) if need else None for need in ctx.needs[1:]), *none)
+    for weight in (tensors[1], tensors[4]):  # (student, teacher)
+        check_gathered_for_backward(weight)
     grads = linear_divergence_backward(*tensors, selected, grad_divergence, d_hidden, d_weight, d_bias,
                                        list(ctx.needs), **ctx.options)
     return (*(g if need else None for g, need in zip(grads, ctx.needs)), *none)
@@ -318,7 +320,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     _check_flag("return_entropy", return_entropy)
     for name, t in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
-        reject_dtensor(name, t)
+        reject_sharded(name, t)
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t!r}")
     if student_weight.dim() != 2 or teacher_weight.dim() != 2:

@@ -34,7 +34,7 @@ def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
-        reject_dtensor(name, t)
+        reject_sharded(name, t)
     if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
         raise ValueError(
             f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
@@ -60,7 +60,7 @@ def check_logits(logits: Any, labels: Any) -> None:
     """Logits that already exist, (..., V) float, and their labels."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be tensors")
-    reject_dtensor("logits", logits)
+    reject_sharded("logits", logits)
     if logits.dtype not in MATMUL_DTYPES or logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be float32, bfloat16 or float16 of shape (..., V >= 1); got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -77,8 +77,9 @@ def check_labels(labels: torch.Tensor, shape: torch.Size, device: torch.device) 
         raise ValueError(f"labels are on {labels.device} but the other tensors on {device}; move them first")
 
 
-def reject_dtensor(name: str, t: Any) -> None:
-    """A DTensor is an FSDP2 / tensor-parallel shard: computing with it would silently use part of the weight."""
+def reject_sharded(name: str, t: Any) -> None:
+    """A shard of a tensor computed with as if whole would silently use part of the weight: refuse a DTensor
+    (FSDP2 / tensor parallel) and a DeepSpeed ZeRO-3 partition that is not gathered."""
     if t is None or not torch.distributed.is_available():
         return
     try:
@@ -92,6 +93,28 @@ def reject_dtensor(name: str, t: Any) -> None:
             "FSDP2-sharded lm_head, compute the loss inside the lm_head module's forward, where FSDP has "
             "all-gathered the weight; for vocab parallelism pass the local shard (.to_local()) and process_group"
         )
+    if is_zero3_partition(t):
+        raise ValueError(f"{name} is a DeepSpeed ZeRO-3 partition, not gathered (full shape "
+                         f"{tuple(t.ds_shape)}). {_ZERO3_HINT}")
+
+
+_ZERO3_HINT = ("Patch the model (fused_lm_loss.patch(model)): it gathers a partitioned lm_head for the loss and "
+               "again for backward. Calling the loss yourself, gather the head around the whole step "
+               "(deepspeed.zero.GatheredParameters) or register it with the module whose forward computes the "
+               "loss (deepspeed.zero.register_external_parameter).")
+
+
+def is_zero3_partition(t: Any) -> bool:
+    """A DeepSpeed ZeRO-3 parameter whose data is now its partition (an empty placeholder), not the whole tensor."""
+    return hasattr(t, "ds_id") and hasattr(t, "ds_shape") and tuple(t.shape) != tuple(t.ds_shape)
+
+
+def check_gathered_for_backward(weight: torch.Tensor) -> None:
+    """Backward that recomputes the logits reads the weight saved in forward: a ZeRO-3 parameter re-partitioned
+    meanwhile (DeepSpeed swaps ``param.data``, which no version counter sees) gives a clear error."""
+    if is_zero3_partition(weight):
+        raise RuntimeError("fused_lm_loss: backward recomputes the logits with the lm_head weight, which is a "
+                           "DeepSpeed ZeRO-3 partition again (not gathered for backward). " + _ZERO3_HINT)
 
 
 def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) -> None:
@@ -100,8 +123,8 @@ def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) ->
     u, b = low_rank
     if not isinstance(u, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ValueError(f"low_rank must be a pair of tensors (u, B), got ({type(u).__name__}, {type(b).__name__})")
-    reject_dtensor("low_rank u", u)
-    reject_dtensor("low_rank B", b)
+    reject_sharded("low_rank u", u)
+    reject_sharded("low_rank B", b)
     if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
         raise ValueError(
             f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "

@@ -32,6 +32,7 @@ from torch import Tensor
 from .backends import get_backend
 from .chunked import GivenLogits, KeptLogits, LossStep, Rows, label_ids, run_chunks, select_rows
 from .distributed import Shard
+from .inputs import check_gathered_for_backward
 from .ops_common import (
     Spec, absent, allocate, conform, fused_op, grad_specs, kept_logits_spec, linear_call, only_needed, per_token,
     gradient_scale, refuse_double_backward, rescaled, save_grads, save_with_options, saved_with_options,
@@ -227,6 +228,7 @@ def _backward_linear(ctx, grad_loss, *unused):
         return (None,) * 5 + call_values
     if ctx.opts.reduction == "none":
         saved, opts = saved_with_options(ctx)
+        check_gathered_for_backward(saved[1])  # (the weight)
         grads = linear_cross_entropy_backward(*saved, grad_loss, list(ctx.needs), opts=opts)
     else:
         scale, *saved = ctx.saved_tensors

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .chunked import KeptLogits, TokenStep, run_chunks
+from .inputs import check_gathered_for_backward
 from .ops_common import (
     Spec, absent, allocate, apply_factor, conform, fused_op, grad_specs, kept_logits_spec, linear_call, only_needed,
     per_token, refuse_double_backward, save_with_options, saved_with_options, shaped_like, traced,
@@ -257,6 +258,7 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
             needed = [(g, x.dtype) for g, x, need in zip(logprob_grads, inputs, ctx.needs) if need]
             rescaled = iter(apply_factor([g for g, _ in needed], [dtype for _, dtype in needed], factor))
             return (*(next(rescaled) if need else None for need in ctx.needs), *call_values)
+    check_gathered_for_backward(weight)
     result = linear_token_stats_backward(
         hidden, weight, bias, u, b, labels, lse, entropy, has_label, unit, kept_logits, grad_logprobs, grad_entropy,
         logprob_grads, entropy_grads, list(ctx.needs), opts=opts,

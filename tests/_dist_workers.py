@@ -468,6 +468,74 @@ def reference_step(scenario: DataParallelScenario, world: int) -> dict:
 # DeepSpeed ZeRO-3 (tests/integrations/test_deepspeed.py)
 
 ZERO3_CASES = ("untied", "tied", "lora")
+ZERO3_TRL_CASES = ("logprobs", "divergence")
+
+
+def _tiny_llama(tied: bool = False, seed: int = 0):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _zero3_config(train: bool = True) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+        # every parameter partitioned, however small (by default small ones stay whole and would hide a bug)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    if train:
+        config.update({"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+                       "gradient_clipping": 0.0})  # (DeepSpeed's default clips at 1.0)
+    return config
+
+
+def _full_grads(engine) -> dict:
+    import deepspeed
+
+    return {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+            if p.requires_grad}
+
+
+def _gathered_params(engine) -> dict:
+    import deepspeed
+
+    params = [p for _, p in engine.module.named_parameters()]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _averaged_grads(trainable: list, world: int) -> dict:
+    for _, p in trainable:
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    return {n: p.grad.clone() for n, p in trainable}
+
+
+def _partition_errors(engine, labels: torch.Tensor) -> dict:
+    """The errors of fused calls that meet the head's ZeRO-3 partition: outside any forward (the loss must refuse
+    it), and in a backward that recomputes with a head gathered for forward only (per-token weights; DeepSpeed
+    swaps param.data, which no version counter sees). A frozen head (LoRA) recomputes nothing."""
+    import deepspeed
+
+    import fused_lm_loss
+
+    errors = {}
+    weight = engine.module.get_output_embeddings().weight
+    try:
+        fused_lm_loss.FusedLMLoss()(torch.randn(2, 12, 32), weight, labels)
+    except ValueError as error:
+        errors["partition_error"] = str(error)
+    if weight.requires_grad:
+        with deepspeed.zero.GatheredParameters([weight]):
+            logprobs = fused_lm_loss.token_stats(torch.randn(2, 12, 32), weight, labels).logprobs
+        try:
+            (logprobs * torch.rand(2, 12)).sum().backward()
+        except RuntimeError as error:
+            errors["backward_error"] = str(error)
+    return errors
 
 
 def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
@@ -479,17 +547,12 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
     import copy
 
     import deepspeed
-    import transformers
 
     import fused_lm_loss
 
     results = {}
     for case in cases:
-        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          tie_word_embeddings=case == "tied")
-        torch.manual_seed(0)
-        reference = transformers.LlamaForCausalLM(config)
+        reference = _tiny_llama(tied=case == "tied")
         model = copy.deepcopy(reference)
         if case == "lora":
             from peft import LoraConfig, get_peft_model
@@ -498,15 +561,8 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
             model, reference = get_peft_model(model, lora), get_peft_model(reference, lora)
             reference.load_state_dict(model.state_dict())
         fused_lm_loss.patch(model)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
-            "gradient_clipping": 0.0,  # (DeepSpeed's default clips at 1.0)
-            # every parameter partitioned, however small (by default small ones stay whole and would hide a bug)
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                         if p.requires_grad], config=ds_config)
+                                                                         if p.requires_grad], config=_zero3_config())
         trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
         optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
         out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
@@ -517,22 +573,110 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
             labels[:, :3] = -100
             loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)
-            out["grads"].append({n: deepspeed.utils.safe_get_full_grad(p).clone()
-                                 for n, p in engine.module.named_parameters() if p.requires_grad})
+            out["grads"].append(_full_grads(engine))
             engine.step()
             ref_loss = reference(input_ids=ids, labels=labels).loss
             ref_loss.backward()
-            for _, p in trainable:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            out["ref_grads"].append({n: p.grad.clone() for n, p in trainable})
+            out["ref_grads"].append(_averaged_grads(trainable, world))
             optimizer.step()
             optimizer.zero_grad()
             out["loss"].append(loss.item())
             out["ref_loss"].append(ref_loss.item())
-        params = [p for _, p in engine.module.named_parameters()]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            out["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out["params"] = _gathered_params(engine)
+        out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        out.update(_partition_errors(engine, labels))
+        results[case] = out
+        engine.destroy()
+    return results
+
+
+def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
+    """TRL's fused-head calls with a ZeRO-3 partitioned student head, as TRL's trainers make them (HF's ZeRO-3
+    flag set, so TRL gathers the head around the call; the loss inside the model's forward):
+
+    - "logprobs": ``model(..., fused_lm_head=True)`` (``trl.trainer.utils.add_fused_lm_head``, DPO's outputs), the
+      loss a different weight per sequence on the log-probabilities plus an entropy term, so that backward
+      recomputes the logits with the head's weight;
+    - "divergence": the distillation trainer's ``_chunked_divergence_loss`` (JSD) through TRL's forward redirection,
+      the teacher a ZeRO-3 inference engine.
+
+    Beside the same steps unpartitioned and unpatched (TRL's own functions). Returns losses, DeepSpeed's reduced
+    gradients, the final parameters, and how many calls our kernels served."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import copy
+
+    import deepspeed
+    import trl.trainer.distillation_trainer as distillation
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    from trl.models.utils import _ForwardRedirection
+    from trl.trainer.utils import add_fused_lm_head
+
+    import fused_lm_loss
+    from fused_lm_loss.integrations import trl as trl_integration
+
+    served = []
+    for name in ("token_stats_with", "divergence_with"):
+        ours = getattr(trl_integration, name)
+        setattr(trl_integration, name, lambda *a, _ours=ours, **k: served.append(1) or _ours(*a, **k))
+    results = {}
+    for case in cases:
+        reference = _tiny_llama()
+        model = fused_lm_loss.patch(copy.deepcopy(reference))
+        teacher = teacher_engine = None
+        if case == "logprobs":
+            outputs = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer's
+            add_fused_lm_head(model, outputs=outputs)
+            add_fused_lm_head(reference, outputs=outputs)
+        else:
+            teacher = _tiny_llama(seed=1)
+            teacher_engine, *_ = deepspeed.initialize(model=copy.deepcopy(teacher), config=_zero3_config(train=False))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=_zero3_config())
+
+        def step_loss(net, teacher_net, ids, labels):
+            if case == "logprobs":
+                out = net(input_ids=ids, labels=labels, fused_lm_head=True)
+                per_sequence = torch.tensor([[1.0], [-0.5]])  # chosen / rejected: DPO's per-sequence weights
+                return -(per_sequence * out.log_probs).sum() + 0.1 * out.entropy.sum()
+            with torch.no_grad():
+                teacher_hidden = teacher_net.model(input_ids=ids).last_hidden_state
+
+            def student_loss(student):
+                hidden = student.model(input_ids=ids).last_hidden_state
+                loss, _, _ = distillation._chunked_divergence_loss(
+                    hidden, teacher_hidden, student.lm_head.weight, teacher_net.lm_head.weight, labels != -100,
+                    beta=0.5, temperature=0.8)
+                return loss
+
+            if net is engine:
+                return _ForwardRedirection()(engine, engine.module, student_loss, engine.module)
+            return student_loss(net)
+
+        trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
+        out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
+        served.clear()
+        for step in range(2):
+            gen = torch.Generator().manual_seed(100 + 10 * rank + step)
+            ids = torch.randint(0, 96, (2, 12), generator=gen)
+            labels = ids.clone()
+            labels[:, :3] = -100
+            hf_flag = HfDeepSpeedConfig(_zero3_config())  # what Trainer(deepspeed=...) sets: TRL gathers the head
+            loss = step_loss(engine, None if teacher_engine is None else teacher_engine.module, ids, labels)
+            engine.backward(loss)
+            out["grads"].append(_full_grads(engine))
+            engine.step()
+            unset_hf_deepspeed_config()
+            del hf_flag
+            ref_loss = step_loss(reference, teacher, ids, labels)
+            ref_loss.backward()
+            out["ref_grads"].append(_averaged_grads(trainable, world))
+            optimizer.step()
+            optimizer.zero_grad()
+            out["loss"].append(loss.item())
+            out["ref_loss"].append(ref_loss.item())
+        out["served"] = len(served)
+        out["params"] = _gathered_params(engine)
         out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
         results[case] = out
         engine.destroy()

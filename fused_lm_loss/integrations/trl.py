@@ -16,8 +16,10 @@ TRL's head cannot express is refused, never dropped (``options.UNSUPPORTED["trl"
 FusedLMLoss with e.g. label smoothing, a z-loss or fp32 logits raises at the first call. Every output TRL 1.16's
 trainers ask for is computed: "log_probs", "entropy", "is_top1", and "mean_logits" / "log_sum_sq_probs" (DPO's
 and KTO's logit metrics and WPO weights; detached, as TRL gives them). What we cannot serve (an output a later
-TRL adds, a DeepSpeed ZeRO-3 sharded head) runs TRL's own function, with a warning naming the trainer, once per
-trainer class and reason.
+TRL adds) runs TRL's own function, with a warning naming the trainer, once per trainer class and reason. A DeepSpeed
+ZeRO-3 partitioned head is served: TRL gathers it around the call (``maybe_gather_lm_head_ctx``), and we register it
+with the patched model (``integrations/deepspeed.py``) so that DeepSpeed gathers it again before the model's
+backward, where our gradients (made in forward, or recomputed) reach its partitioned reduction once.
 
 The distillation trainer's teacher-student divergence (``trl.trainer.distillation_trainer``'s
 ``ChunkedDivergenceFunction``) is replaced the same way: for a patched student it runs ``fused_divergence`` (the
@@ -40,6 +42,7 @@ import torch
 from ..divergence import DivergenceOptions, divergence_with
 from ..options import LossOptions, check_supported
 from ..per_token import token_stats_with
+from . import deepspeed as deepspeed_integration
 
 SUPPORTED = ("1.16.0",)
 _COMPUTED = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
@@ -125,7 +128,7 @@ class FusedLogProbs:
         if model is None:
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
-        reason = _cannot_serve(weight, outputs)
+        reason = _cannot_serve(outputs)
         if reason is not None:
             trainer = _calling_trainer()
             _warn_once((trainer, reason), f"fused_lm_loss: {reason} ({trainer}): TRL's own fused LM head runs for "
@@ -133,6 +136,7 @@ class FusedLogProbs:
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
         opts = _trl_options(model, temperature, softcap, logit_scale)
+        deepspeed_integration.register_partitioned_head(model, model.get_output_embeddings())
         if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # cast_lm_head_to_fp32: fp32 hidden states, the head in fp32
             bias = None if bias is None else bias.to(hidden.dtype)
@@ -158,29 +162,30 @@ class FusedDivergenceFunction:
               teacher_softcap=None):
         args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
                 temperature, student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap)
-        if _owner(student_weight) is None:
+        student = _owner(student_weight)
+        if student is None:
             return _trl_divergence.apply(*args)
-        if hasattr(student_weight, "ds_id") or hasattr(teacher_weight, "ds_id"):
-            trainer = _calling_trainer()
-            reason = "a DeepSpeed ZeRO-3 sharded lm_head is not supported by fused_lm_loss"
-            _warn_once((trainer, reason), f"fused_lm_loss: {reason} ({trainer}): TRL's own divergence runs for this "
-                       "call")
-            return _trl_divergence.apply(*args)
+        deepspeed_integration.register_partitioned_head(student, student.get_output_embeddings())
         opts = DivergenceOptions.from_beta(
             float(beta), temperature=float(temperature), student_logit_scale=float(student_logit_scale),
             student_softcap=None if student_softcap is None else float(student_softcap),
             teacher_logit_scale=float(teacher_logit_scale),
             teacher_softcap=None if teacher_softcap is None else float(teacher_softcap), reduction="none",
         )
-        sides = []
-        for hidden, weight, bias in ((student_hidden, student_weight, student_bias),
-                                     (teacher_hidden, teacher_weight, teacher_bias)):
-            if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
-                weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)  # as TRL
-            sides.append((hidden, weight, bias))
-        (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias) = sides
-        out = divergence_with(opts, student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              student_bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+        # (ZeRO-3: TRL's function gathers both heads itself, not its caller; so do we. The student's head, registered
+        # above, is gathered again for backward.)
+        with maybe_gather_lm_head_ctx(student_weight, student_bias, teacher_weight, teacher_bias):
+            sides = []
+            for hidden, weight, bias in ((student_hidden, student_weight, student_bias),
+                                         (teacher_hidden, teacher_weight, teacher_bias)):
+                if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+                    weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)  # as TRL
+                sides.append((hidden, weight, bias))
+            (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias) = sides
+            out = divergence_with(opts, student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                  student_bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
         return out.divergence, out.entropy
 
 
@@ -192,12 +197,10 @@ def _expected_grads(outputs) -> str:
     return "uniform" if "is_top1" in outputs and "mean_logits" not in outputs else "logprobs"
 
 
-def _cannot_serve(weight: torch.Tensor, outputs) -> str | None:
+def _cannot_serve(outputs) -> str | None:
     extra = [name for name in outputs if name not in _COMPUTED]
     if extra:
         return f"the per-token outputs {extra} are not computed by fused_lm_loss"
-    if hasattr(weight, "ds_id"):
-        return "a DeepSpeed ZeRO-3 sharded lm_head is not supported by fused_lm_loss"
     return None
 
 

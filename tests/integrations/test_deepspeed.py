@@ -29,3 +29,29 @@ def test_zero3_patched_model_trains_as_unpartitioned(zero3, case):
         for name, value in out["ref_params"].items():
             assert rel_err(out["params"][name], value) <= 1e-5, (case, name)
         assert not torch.equal(out["params"][next(iter(out["ref_params"]))], torch.zeros(1))
+        assert "ZeRO-3 partition, not gathered" in out.get("partition_error", "no error")
+        if case != "lora":
+            assert "ZeRO-3 partition again" in out.get("backward_error", "no error")
+
+
+@pytest.fixture(scope="module")
+def zero3_trl(tmp_path_factory):
+    pytest.importorskip("trl")
+    return workers.spawn(workers.zero3_trl_worker, 2, tmp_path_factory.mktemp("zero3_trl"), workers.ZERO3_TRL_CASES)
+
+
+@pytest.mark.parametrize("case", workers.ZERO3_TRL_CASES)
+def test_zero3_head_in_trl_runs_our_kernels_as_trl_does_unpartitioned(zero3_trl, case):
+    """TRL's fused head (per-sequence weights: backward recomputes with the gathered head) and the distillation
+    loss, on a ZeRO-3 partitioned student head: our kernels serve every call, and the losses, DeepSpeed's reduced
+    gradients and the trained parameters equal TRL's own functions on the unpartitioned model."""
+    for rank in zero3_trl:
+        out = rank[case]
+        assert out["served"] == len(out["loss"])
+        assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
+        for got, want in zip(out["grads"], out["ref_grads"]):
+            assert got.keys() == want.keys() and "lm_head.weight" in got
+            for name in want:
+                assert rel_err(got[name], want[name]) <= 1e-5, (case, name)
+        for name, value in out["ref_params"].items():
+            assert rel_err(out["params"][name], value) <= 1e-5, (case, name)

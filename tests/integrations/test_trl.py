@@ -500,22 +500,3 @@ def test_distillation_trainer_runs_our_kernels_with_trls_numbers(tmp_path, monke
     got = _distill(tmp_path, impl="patched", beta=beta, monkeypatch=monkeypatch)
     assert got[2] > 0
     _assert_same_logs(got, want)
-
-
-def test_distillation_with_a_zero3_head_falls_back_with_a_warning(monkeypatch):
-    """A DeepSpeed ZeRO-3 head (its parameters carry ds_id) is not served: TRL's own divergence runs, and a warning
-    names the reason."""
-    import trl.trainer.distillation_trainer as distillation
-
-    monkeypatch.setattr(trl_integration, "_warned", set())
-    student = fused_lm_loss.patch(make_model("llama"))
-    sw = student.get_output_embeddings().weight
-    monkeypatch.setattr(sw, "ds_id", 7, raising=False)
-    calls = []
-    trls = trl_integration._trl_divergence
-    monkeypatch.setattr(trl_integration, "_trl_divergence",
-                        types.SimpleNamespace(apply=lambda *a: calls.append(1) or trls.apply(*a)))
-    with pytest.warns(UserWarning, match="ZeRO-3"):
-        distillation.ChunkedDivergenceFunction.apply(torch.randn(5, 32), sw, None, torch.randn(5, 32),
-                                                     torch.randn(VOCAB, 32), None, 0.5)
-    assert calls == [1]
