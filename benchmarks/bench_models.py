@@ -3,6 +3,7 @@
     python benchmarks/bench_models.py --out results/                        # H200: ~3-4 min
     python benchmarks/bench_models.py --models qwen2.5-0.5b --modes lora --steps 20
     python benchmarks/bench_models.py --cpu --tiny                          # dry run: tiny configs, 2 steps
+    python benchmarks/bench_models.py --zero3 --impls hf,fused              # under DeepSpeed ZeRO-3 (one GPU)
 
 Models (bf16, random weights, the transformers default attention: sdpa, eager for Gemma 2):
   llama3-8b-2l   Llama-3-8B's dimensions (H 4096, V 128256, untied head) with 2 decoder layers
@@ -25,6 +26,11 @@ the median of --steps CUDA-event-timed steps after --warmup steps, tokens/s, the
 peak memory of one step beyond what was allocated before it (torch.cuda.max_memory_allocated delta:
 activations, logits, gradients), and the first step's loss (all implementations see the same weights and
 batch, so the losses should agree to ~1e-3). JSON rows and the table go to --out/models.json and models.md.
+
+--zero3: each model runs under DeepSpeed ZeRO-3 on this one GPU (a world of one rank over NCCL, every parameter
+partitioned: stage3_param_persistence_threshold 0; bf16 with DeepSpeed's fp32 master weights; DeepSpeed's SGD), and
+a step is forward + engine.backward + engine.step (its partitioned reduction and update), HF's ZeRO-3 flag set as
+Trainer(deepspeed=...) sets it (TRL then gathers its head).
 """
 from __future__ import annotations
 
@@ -138,7 +144,14 @@ class Runner:
         if self.args.adamw:
             optimizer = torch.optim.AdamW(params, lr=1e-5, fused=self.device.type == "cuda")
 
+        engine = zero3_engine(model, params, ids.shape[0]) if self.args.zero3 else None
+
         def one():
+            if engine is not None:  # DeepSpeed's backward, partitioned reduction and update
+                loss = step(ids, labels)
+                engine.backward(loss)
+                engine.step()
+                return loss
             for p in params:
                 p.grad = None
             loss = step(ids, labels)
@@ -174,7 +187,24 @@ class Runner:
                 t0 = time.perf_counter()
                 one()
                 times.append(1e3 * (time.perf_counter() - t0))
+        if engine is not None:
+            engine.destroy()
         return statistics.median(times), peak, first
+
+
+def zero3_engine(model, params, batch: int):
+    """``model`` under DeepSpeed ZeRO-3 (see --zero3). The model keeps being called directly: ZeRO-3's gathering
+    hooks are on its modules."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16}, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-5}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    return engine
 
 
 def trl_forward(module, model, ids, labels):
@@ -195,7 +225,8 @@ def write_table(rows, env, out):
     head = (f"{env['date']} · {env['device']} · torch {env['torch']} · transformers {env['transformers']} · "
             f"peft {env['peft']}" + "".join(f" · {k} {env[k]}" for k in ("liger", "trl") if env.get(k)))
     lines = [head, f"batch {env['batch']} x {env['seq']} tokens, 10% of labels ignored, {env['dtype']}"
-             + (", AdamW step included" if env["adamw"] else ", forward + backward"), "",
+             + (", AdamW step included" if env["adamw"] else ", forward + backward")
+             + (f"; DeepSpeed {env['zero3']} ZeRO-3, its SGD step included" if env.get("zero3") else ""), "",
              "| model | mode | impl | ms | tokens/s | × hf speed | peak GiB | loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -227,6 +258,7 @@ def main():
     parser.add_argument("--adamw", action="store_true", help="include an AdamW step in each timed step")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (with --tiny: a dry run)")
     parser.add_argument("--tiny", action="store_true", help="toy dimensions of the same model families")
+    parser.add_argument("--zero3", action="store_true", help="under DeepSpeed ZeRO-3 (a world of one GPU)")
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.tiny else 4)
     args.seq = args.seq or (64 if args.tiny else 2048)
@@ -234,6 +266,13 @@ def main():
     args.warmup = max(1, args.warmup or (1 if args.cpu else 2))
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.zero3:
+        import deepspeed
+
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29511").items():
+            os.environ.setdefault(key, value)
+        deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
     import peft
     import transformers
 
@@ -245,6 +284,7 @@ def main():
         "liger": peers.version("liger-kernel") if _importable("liger_kernel") else None,
         "trl": peers.version("trl") if _importable("trl") else None,
         "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "adamw": args.adamw, "tiny": args.tiny,
+        "zero3": args.zero3 and peers.version("deepspeed"),
     }
     rows = []
     for name in args.models.split(","):
@@ -259,7 +299,8 @@ def main():
                         row["impl"] = "trl_kernel"
                         env["trl_import"] = peers.trl_how()
                     ids, labels = runner.batch(model.config.get_text_config().vocab_size)
-                    ms, peak, loss = runner.measure(model, step, ids, labels)
+                    with zero3_flag(args.zero3):
+                        ms, peak, loss = runner.measure(model, step, ids, labels)
                     row.update(ms=ms, tokens_per_s=ids.numel() / ms * 1e3, peak_gib=peak, loss=loss)
                 except Exception as e:  # noqa: BLE001 - a missing peer or an OOM is a result too
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -271,6 +312,26 @@ def main():
                 with open(os.path.join(args.out, "models.json"), "w") as f:
                     json.dump({"env": env, "rows": rows}, f, indent=1)
     write_table(rows, env, args.out)
+
+
+def zero3_flag(on: bool):
+    """HF's "ZeRO-3 is on" flag, as Trainer(deepspeed=...) sets it, while a model runs under --zero3 (set after the
+    model is built: with it, from_config would build the model partitioned)."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    @contextlib.contextmanager
+    def flag():
+        config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+        try:
+            yield config
+        finally:
+            unset_hf_deepspeed_config()
+
+    return flag()
 
 
 def _importable(name: str) -> bool:

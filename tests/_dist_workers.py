@@ -27,23 +27,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # spawning
 
 
-def spawn(target: Callable, world: int, tmp_path: pathlib.Path, *args: Any) -> list[dict]:
-    """Run ``target(rank, world, out_file, *args)`` on ``world`` gloo ranks; return each rank's saved dict."""
+def spawn(target: Callable, world: int, tmp_path: pathlib.Path, *args: Any, backend: str = "gloo") -> list[dict]:
+    """Run ``target(rank, world, *args)`` on ``world`` ranks (gloo on CPU; "nccl": one GPU per rank); return each
+    rank's saved dict."""
     import torch.multiprocessing as mp
 
     init_file = tmp_path / "store"
-    mp.spawn(_entry, args=(world, str(init_file), str(tmp_path), target, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, str(init_file), str(tmp_path), target, args, backend), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
-def _entry(rank: int, world: int, init_file: str, out_dir: str, target: Callable, args: tuple) -> None:
-    # The Triton interpreter must be chosen before triton is first imported (only the triton case uses it).
-    os.environ["TRITON_INTERPRET"] = "1"
+def _entry(rank: int, world: int, init_file: str, out_dir: str, target: Callable, args: tuple, backend: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        # The Triton interpreter must be chosen before triton is first imported (only the triton case uses it).
+        os.environ["TRITON_INTERPRET"] = "1"
     if sys.platform == "linux":  # all ranks are local: loopback works where the hostname does not resolve
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
@@ -471,13 +475,13 @@ ZERO3_CASES = ("untied", "tied", "lora")
 ZERO3_TRL_CASES = ("logprobs", "divergence")
 
 
-def _tiny_llama(tied: bool = False, seed: int = 0):
+def _tiny_llama(tied: bool = False, seed: int = 0, device: str = "cpu"):
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config).to(device)
 
 
 def _zero3_config(train: bool = True) -> dict:
@@ -525,24 +529,25 @@ def _partition_errors(engine, labels: torch.Tensor) -> dict:
     errors = {}
     weight = engine.module.get_output_embeddings().weight
     try:
-        fused_lm_loss.FusedLMLoss()(torch.randn(2, 12, 32), weight, labels)
+        fused_lm_loss.FusedLMLoss()(torch.randn(2, 12, 32, device=labels.device), weight, labels)
     except ValueError as error:
         errors["partition_error"] = str(error)
     if weight.requires_grad:
         with deepspeed.zero.GatheredParameters([weight]):
-            logprobs = fused_lm_loss.token_stats(torch.randn(2, 12, 32), weight, labels).logprobs
+            logprobs = fused_lm_loss.token_stats(torch.randn(2, 12, 32, device=labels.device), weight, labels).logprobs
         try:
-            (logprobs * torch.rand(2, 12)).sum().backward()
+            (logprobs * torch.rand(2, 12, device=labels.device)).sum().backward()
         except RuntimeError as error:
             errors["backward_error"] = str(error)
     return errors
 
 
-def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
+def zero3_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
     """Per case: a tiny Llama trained 3 SGD steps under DeepSpeed ZeRO-3 (every parameter partitioned), patched
     with fused_lm_loss, beside an unpartitioned copy (gradients all-reduced and averaged). Returns each step's
-    loss and every full gradient (DeepSpeed's, after its reduction) for both, and the final parameters."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    loss and every full gradient (DeepSpeed's, after its reduction) for both, and the final parameters.
+    (benchmarks/bench_zero3.py runs it on one GPU: rank 0 of 1, NCCL, device "cuda".)"""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import copy
 
@@ -552,7 +557,7 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
 
     results = {}
     for case in cases:
-        reference = _tiny_llama(tied=case == "tied")
+        reference = _tiny_llama(tied=case == "tied", device=device)
         model = copy.deepcopy(reference)
         if case == "lora":
             from peft import LoraConfig, get_peft_model
@@ -568,7 +573,7 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
         out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
         for step in range(3):
             gen = torch.Generator().manual_seed(100 + 10 * rank + step)
-            ids = torch.randint(0, 96, (2, 12), generator=gen)
+            ids = torch.randint(0, 96, (2, 12), generator=gen).to(device)
             labels = ids.clone()
             labels[:, :3] = -100
             loss = engine(input_ids=ids, labels=labels).loss
@@ -590,7 +595,7 @@ def zero3_worker(rank: int, world: int, cases: tuple) -> dict:
     return results
 
 
-def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
+def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
     """TRL's fused-head calls with a ZeRO-3 partitioned student head, as TRL's trainers make them (HF's ZeRO-3
     flag set, so TRL gathers the head around the call; the loss inside the model's forward):
 
@@ -602,7 +607,7 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
 
     Beside the same steps unpartitioned and unpatched (TRL's own functions). Returns losses, DeepSpeed's reduced
     gradients, the final parameters, and how many calls our kernels served."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import copy
 
@@ -621,7 +626,7 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
         setattr(trl_integration, name, lambda *a, _ours=ours, **k: served.append(1) or _ours(*a, **k))
     results = {}
     for case in cases:
-        reference = _tiny_llama()
+        reference = _tiny_llama(device=device)
         model = fused_lm_loss.patch(copy.deepcopy(reference))
         teacher = teacher_engine = None
         if case == "logprobs":
@@ -629,14 +634,14 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
             add_fused_lm_head(model, outputs=outputs)
             add_fused_lm_head(reference, outputs=outputs)
         else:
-            teacher = _tiny_llama(seed=1)
+            teacher = _tiny_llama(seed=1, device=device)
             teacher_engine, *_ = deepspeed.initialize(model=copy.deepcopy(teacher), config=_zero3_config(train=False))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=_zero3_config())
 
         def step_loss(net, teacher_net, ids, labels):
             if case == "logprobs":
                 out = net(input_ids=ids, labels=labels, fused_lm_head=True)
-                per_sequence = torch.tensor([[1.0], [-0.5]])  # chosen / rejected: DPO's per-sequence weights
+                per_sequence = torch.tensor([[1.0], [-0.5]], device=ids.device)  # chosen / rejected: DPO's per-sequence weights
                 return -(per_sequence * out.log_probs).sum() + 0.1 * out.entropy.sum()
             with torch.no_grad():
                 teacher_hidden = teacher_net.model(input_ids=ids).last_hidden_state
@@ -658,7 +663,7 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple) -> dict:
         served.clear()
         for step in range(2):
             gen = torch.Generator().manual_seed(100 + 10 * rank + step)
-            ids = torch.randint(0, 96, (2, 12), generator=gen)
+            ids = torch.randint(0, 96, (2, 12), generator=gen).to(device)
             labels = ids.clone()
             labels[:, :3] = -100
             hf_flag = HfDeepSpeedConfig(_zero3_config())  # what Trainer(deepspeed=...) sets: TRL gathers the head

@@ -1,6 +1,9 @@
-"""DeepSpeed ZeRO-3 on CPU (gloo, two ranks): a patched model whose lm_head is partitioned trains as the
-unpartitioned model does: every step's loss, every gradient after DeepSpeed's reduction and the parameters after
-the optimizer steps, for untied and tied embeddings and for LoRA on the attention and on lm_head."""
+"""DeepSpeed ZeRO-3 on CPU (gloo, two ranks; on a GPU run, one rank over NCCL): a patched model whose lm_head is
+partitioned trains as the unpartitioned model does: every step's loss, every gradient after DeepSpeed's reduction
+and the parameters after the optimizer steps, for untied and tied embeddings and for LoRA on the attention and on
+lm_head; and TRL's fused-head calls on a partitioned head run our kernels."""
+import os
+
 import pytest
 import torch
 
@@ -9,10 +12,18 @@ from .hf_models import rel_err
 
 pytest.importorskip("deepspeed")
 
+ON_CUDA = os.environ.get("FUSED_LM_LOSS_TEST_DEVICE", "cpu") == "cuda"
+
+
+def _spawn(worker, tmp_path, cases):
+    if ON_CUDA:
+        return workers.spawn(worker, 1, tmp_path, cases, "cuda", backend="nccl")
+    return workers.spawn(worker, 2, tmp_path, cases)
+
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
-    return workers.spawn(workers.zero3_worker, 2, tmp_path_factory.mktemp("zero3"), workers.ZERO3_CASES)
+    return _spawn(workers.zero3_worker, tmp_path_factory.mktemp("zero3"), workers.ZERO3_CASES)
 
 
 @pytest.mark.parametrize("case", workers.ZERO3_CASES)
@@ -37,7 +48,7 @@ def test_zero3_patched_model_trains_as_unpartitioned(zero3, case):
 @pytest.fixture(scope="module")
 def zero3_trl(tmp_path_factory):
     pytest.importorskip("trl")
-    return workers.spawn(workers.zero3_trl_worker, 2, tmp_path_factory.mktemp("zero3_trl"), workers.ZERO3_TRL_CASES)
+    return _spawn(workers.zero3_trl_worker, tmp_path_factory.mktemp("zero3_trl"), workers.ZERO3_TRL_CASES)
 
 
 @pytest.mark.parametrize("case", workers.ZERO3_TRL_CASES)
