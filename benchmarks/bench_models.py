@@ -27,8 +27,9 @@ peak memory of one step beyond what was allocated before it (torch.cuda.max_memo
 activations, logits, gradients), and the first step's loss (all implementations see the same weights and
 batch, so the losses should agree to ~1e-3). JSON rows and the table go to --out/models.json and models.md.
 
---zero3: each model runs under DeepSpeed ZeRO-3 on this one GPU (a world of one rank over NCCL, every parameter
-partitioned: stage3_param_persistence_threshold 0; bf16 with DeepSpeed's fp32 master weights; DeepSpeed's SGD), and
+--zero3: each model runs under DeepSpeed ZeRO-3 on this one GPU (a world of one rank over NCCL, DeepSpeed's default
+ZeRO-3 settings: parameters above 1e5 values partitioned, the lm_head among them; bf16 with DeepSpeed's fp32
+master weights; DeepSpeed's SGD), and
 a step is forward + engine.backward + engine.step (its partitioned reduction and update), HF's ZeRO-3 flag set as
 Trainer(deepspeed=...) sets it (TRL then gathers its head).
 """
@@ -201,7 +202,7 @@ def zero3_engine(model, params, batch: int):
         "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16}, "gradient_clipping": 0.0,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-5}}, "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": 3},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine

@@ -10,7 +10,9 @@ reach a partitioned parameter (the autograd engine raises "The size of tensor a 
 (``deepspeed.zero.register_external_parameter``): DeepSpeed then gathers them for the model's forward and again
 before the model's backward, which the loss's graph does pass through (``outputs.loss``), so their gradients reach
 DeepSpeed's partitioned reduction once, like any parameter's. The cost: the head stays gathered for the whole
-model forward (V x H in the weight's dtype), not only during lm_head's call.
+model forward and backward (V x H in the weight's dtype), not only during lm_head's call. Only parameters that
+get a gradient are registered: a frozen head (LoRA) is read in forward only (its rows' gradients are made there),
+so DeepSpeed gathers it just for lm_head's call, as without the patch, and not again for backward.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ _REGISTERED_ATTR = "_fused_lm_loss_zero3_params"
 
 
 def register_partitioned_head(model: nn.Module, head: nn.Module) -> None:
-    """Register ``head``'s ZeRO-3 partitioned parameters (those DeepSpeed gave a ``ds_id``) with ``model``, once
-    each; nothing when there are none (DeepSpeed is then not imported)."""
-    partitioned = [p for p in head.parameters() if hasattr(p, "ds_id")]
+    """Register ``head``'s trainable ZeRO-3 partitioned parameters (those DeepSpeed gave a ``ds_id``) with
+    ``model``, once each (called at every training forward: a parameter unfrozen later is registered then);
+    nothing when there are none (DeepSpeed is then not imported)."""
+    partitioned = [p for p in head.parameters() if hasattr(p, "ds_id") and p.requires_grad]
     if not partitioned:
         return
     registered = model.__dict__.setdefault(_REGISTERED_ATTR, set())
