@@ -471,7 +471,7 @@ def reference_step(scenario: DataParallelScenario, world: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-3 (tests/integrations/test_deepspeed.py)
 
-ZERO3_CASES = ("untied", "tied", "lora")
+ZERO3_CASES = ("untied", "tied", "lora", "zero2", "offload")  # the last two: ZeRO-2; ZeRO-3 offloading to CPU
 ZERO3_TRL_CASES = ("logprobs", "divergence")
 
 
@@ -484,11 +484,15 @@ def _tiny_llama(tied: bool = False, seed: int = 0, device: str = "cpu"):
     return transformers.LlamaForCausalLM(config).to(device)
 
 
-def _zero3_config(train: bool = True) -> dict:
+def _zero3_config(train: bool = True, case: str = "") -> dict:
+    zero = {"stage": 2} if case == "zero2" else {
+        # every parameter partitioned, however small (by default small ones stay whole and would hide a bug)
+        "stage": 3, "stage3_param_persistence_threshold": 0}
+    if case == "offload":  # parameters and optimizer state on the host (torch's SGD there, not DeepSpeed's Adam)
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-        # every parameter partitioned, however small (by default small ones stay whole and would hide a bug)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
     }
     if train:
         config.update({"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
@@ -567,7 +571,8 @@ def zero3_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> di
             reference.load_state_dict(model.state_dict())
         fused_lm_loss.patch(model)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                         if p.requires_grad], config=_zero3_config())
+                                                                         if p.requires_grad],
+                                          config=_zero3_config(case=case))
         trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
         optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
         out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
@@ -589,7 +594,8 @@ def zero3_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> di
             out["ref_loss"].append(ref_loss.item())
         out["params"] = _gathered_params(engine)
         out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        out.update(_partition_errors(engine, labels))
+        if case != "zero2":  # (ZeRO-2 keeps every parameter whole)
+            out.update(_partition_errors(engine, labels))
         results[case] = out
         engine.destroy()
     return results
@@ -685,4 +691,99 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -
         out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
         results[case] = out
         engine.destroy()
+    return results
+
+
+ZERO3_TRAINER_CASES = ("trainer", "sft", "dpo", "distill")
+
+
+def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
+    """Per case, two runs of a trainer under ``TrainingArguments(deepspeed=<ZeRO-3 config>)``, unpatched and
+    patched, from the same seeds: HF's ``Trainer`` (tied embeddings), TRL's ``SFTTrainer``, ``DPOTrainer`` (policy
+    and reference patched) and ``DistillationTrainer`` (on-policy generation; the student patched). fp32, SGD,
+    2 steps. Returns, per case and run, the log history, the trained parameters (gathered) and how many calls our
+    kernels served."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers.integrations import unset_hf_deepspeed_config
+    from trl.trainer.distillation_config import DistillationConfig
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    import fused_lm_loss
+    from fused_lm_loss.integrations import hf_patch
+    from fused_lm_loss.integrations import trl as trl_integration
+
+    served = []
+    for name in ("token_stats_with", "divergence_with"):
+        ours = getattr(trl_integration, name)
+        setattr(trl_integration, name, lambda *a, _ours=ours, **k: served.append(1) or _ours(*a, **k))
+    fused_call = hf_patch.FusedCall
+    hf_patch.FusedCall = lambda *a, **k: served.append(1) or fused_call(*a, **k)
+
+    vocab = {f"t{i}": i for i in range(96)}
+    fast = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=fast, pad_token="t0", eos_token="t2",
+                                                     unk_token="t1")
+    gen = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, 96, (n,), generator=gen))
+
+    rows = {
+        "trainer": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
+        "sft": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
+        "dpo": {"prompt": [words(5) for _ in range(8)], "chosen": [words(4) + " t2" for _ in range(8)],
+                "rejected": [words(4) + " t2" for _ in range(8)]},
+        "distill": {"prompt": [words(5) for _ in range(8)]},
+    }
+    rows["trainer"]["labels"] = rows["trainer"]["input_ids"]
+    config = _zero3_config()
+    config.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+    results = {}
+    for case in cases:
+        for impl in ("unpatched", "patched"):
+            model = _tiny_llama(tied=case == "trainer", device=device)
+            model.config.update(dict(pad_token_id=0, eos_token_id=2))
+            if impl == "patched":
+                fused_lm_loss.patch(model)
+            common = dict(output_dir=f"{os.environ.get('TMPDIR', '/tmp')}/zero3_{case}_{impl}_{rank}", max_steps=2,
+                          per_device_train_batch_size=2, learning_rate=0.5, lr_scheduler_type="constant",
+                          max_grad_norm=0.0, save_strategy="no", report_to="none", logging_steps=1, seed=0,
+                          dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=device == "cpu",
+                          deepspeed=config)
+            trl_common = dict(common, bf16=False, gradient_checkpointing=False)
+            dataset = datasets.Dataset.from_dict(rows[case])
+            if case == "trainer":
+                trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**common),
+                                               train_dataset=dataset)
+            elif case == "sft":
+                trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**trl_common), train_dataset=dataset,
+                                         processing_class=tokenizer)
+            elif case == "dpo":
+                ref_model = _tiny_llama(device=device)
+                ref_model.config.update(dict(pad_token_id=0, eos_token_id=2))
+                if impl == "patched":
+                    fused_lm_loss.patch(ref_model)
+                trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=trl.DPOConfig(**trl_common),
+                                         train_dataset=dataset, processing_class=tokenizer)
+            else:
+                teacher = _tiny_llama(seed=1, device=device)
+                teacher.config.update(dict(pad_token_id=0, eos_token_id=2))
+                trainer = DistillationTrainer(model=model, teacher_model=teacher, processing_class=tokenizer,
+                                              args=DistillationConfig(**trl_common, max_completion_length=4),
+                                              train_dataset=dataset)
+            served.clear()
+            trainer.train()
+            results[(case, impl)] = {"logs": trainer.state.log_history, "served": len(served),
+                                     "engine": type(trainer.model_wrapped).__name__,
+                                     "params": _gathered_params(trainer.model_wrapped)}
+            trainer.model_wrapped.destroy()
+            del trainer
+            unset_hf_deepspeed_config()
     return results
