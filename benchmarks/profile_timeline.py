@@ -3,6 +3,7 @@
     python benchmarks/profile_timeline.py [--shapes qwen2.5-0.5b,gemma2-2b] [--scenarios train,train50,frozen]
                                           [--kernels] [--trace DIR]
     python benchmarks/profile_timeline.py --shapes tiny        # CPU dry run: the host ops of each step only
+    python benchmarks/profile_timeline.py --divergence reverse_kl --shapes qwen2.5-0.5b --scenarios train,frozen
 
 For each shape and scenario (train: lm_head and hidden states get gradients, 10% of labels ignored;
 train50: 50% ignored; frozen: the lm_head frozen, 10% ignored) one FusedLMLoss() forward+backward is
@@ -16,12 +17,15 @@ It prints
   - the host: when the first matmul was called after the step began, when the end marker was launched,
     the host ops up to the first matmul and the last 40 host events (what the GPU waited for);
   - with --kernels: the profiler's table of the step's kernels (top 12 by GPU time).
---trace DIR writes each profile's Chrome trace there. CUPTI adds a little host time per launch: read the
+--divergence KIND profiles ``fused_divergence(kind=KIND)`` (mean over the kept rows) instead, the student the
+shape's inputs and the teacher the same hidden states with a perturbed weight; its floor adds the teacher's
+logits matmul. --trace DIR writes each profile's Chrome trace there. CUPTI adds a little host time per launch: read the
 idle times as an upper bound.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -29,7 +33,7 @@ import tempfile
 import torch
 
 from common import DEVICE, SHAPES, bench, default_shapes, inputs, labels, sync
-from fused_lm_loss import FusedLMLoss
+from fused_lm_loss import FusedLMLoss, fused_divergence
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # copies count as busy too (a clone is a memcpy)
 SCENARIOS = {"train": (0.1, True), "train50": (0.5, True), "frozen": (0.1, False)}  # ignored, lm_head trained
@@ -74,12 +78,17 @@ def print_host(events: list[dict], host0: float, until: float, tail_from: list[d
 
 
 def floors(x, w):
-    """Full-batch cuBLAS floors (ms): train = x @ W.T + G @ W + G.T @ x, frozen = the first two."""
+    """Full-batch cuBLAS floors (ms): train = x @ W.T + G @ W + G.T @ x, frozen = the first two, logits = the
+    first."""
     full = torch.empty(x.shape[0], w.shape[0], device=DEVICE, dtype=x.dtype)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     logits = bench(lambda: torch.mm(x, w.t(), out=full))
     frozen = logits + bench(lambda: torch.mm(full, w, out=dx))
-    return {"train": frozen + bench(lambda: torch.mm(full.t(), x, out=dw)), "frozen": frozen}
+    return {"train": frozen + bench(lambda: torch.mm(full.t(), x, out=dw)), "frozen": frozen, "logits": logits}
+
+
+def _divergence(hidden, weight, labels, *, teacher_weight, kind):
+    return fused_divergence(hidden, weight, hidden.detach(), teacher_weight, labels, kind=kind)
 
 
 def profile_scenario(name, scenario, x, w, floor, args):
@@ -87,6 +96,9 @@ def profile_scenario(name, scenario, x, w, floor, args):
     y = labels(name, ignore)
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(train_head)
     loss_fn = FusedLMLoss()
+    if args.divergence:
+        teacher_w = w + 0.3 * w.float().std() * torch.randn_like(w)
+        loss_fn = functools.partial(_divergence, teacher_weight=teacher_w, kind=args.divergence)
 
     def step():
         xr.grad = wr.grad = None
@@ -170,6 +182,8 @@ def main():
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {','.join(SCENARIOS)}")
     parser.add_argument("--kernels", action="store_true", help="also the profiler's kernel table of each step")
     parser.add_argument("--trace", default=None, help="folder for the Chrome traces (default: a temporary one)")
+    parser.add_argument("--divergence", default=None, choices=("forward_kl", "reverse_kl", "jsd"),
+                        help="profile fused_divergence of this kind instead of the loss")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.trace:
@@ -177,6 +191,8 @@ def main():
     for name in default_shapes(args.shapes):
         x, w, _ = inputs(name)
         floor = floors(x, w)
+        if args.divergence:  # + the teacher's logits matmul
+            floor = {kind: value + floor["logits"] for kind, value in floor.items()}
         for scenario in args.scenarios.split(","):
             profile_scenario(name, scenario, x, w, floor["train" if SCENARIOS[scenario][1] else "frozen"], args)
         x = w = None

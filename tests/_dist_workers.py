@@ -694,14 +694,14 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -
     return results
 
 
-ZERO3_TRAINER_CASES = ("trainer", "sft", "dpo", "distill")
+ZERO3_TRAINER_CASES = ("trainer", "sft", "dpo", "grpo", "distill")
 
 
 def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
     """Per case, two runs of a trainer under ``TrainingArguments(deepspeed=<ZeRO-3 config>)``, unpatched and
     patched, from the same seeds: HF's ``Trainer`` (tied embeddings), TRL's ``SFTTrainer``, ``DPOTrainer`` (policy
-    and reference patched) and ``DistillationTrainer`` (on-policy generation; the student patched). fp32, SGD,
-    2 steps. Returns, per case and run, the log history, the trained parameters (gathered) and how many calls our
+    and reference patched), ``GRPOTrainer`` (generation, per-token advantages: backward recomputes with the
+    head) and ``DistillationTrainer`` (on-policy generation; the student patched). fp32, SGD, 2 steps. Returns, per case and run, the log history, the trained parameters (gathered) and how many calls our
     kernels served."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -740,6 +740,7 @@ def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu
         "sft": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
         "dpo": {"prompt": [words(5) for _ in range(8)], "chosen": [words(4) + " t2" for _ in range(8)],
                 "rejected": [words(4) + " t2" for _ in range(8)]},
+        "grpo": {"prompt": [words(5) for _ in range(8)]},
         "distill": {"prompt": [words(5) for _ in range(8)]},
     }
     rows["trainer"]["labels"] = rows["trainer"]["input_ids"]
@@ -772,6 +773,14 @@ def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu
                     fused_lm_loss.patch(ref_model)
                 trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=trl.DPOConfig(**trl_common),
                                          train_dataset=dataset, processing_class=tokenizer)
+            elif case == "grpo":
+                def reward(completions, **_):  # any reward that differs between the completions of a prompt
+                    return [float(sum(map(len, c.split()))) for c in completions]
+
+                trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
+                                          args=trl.GRPOConfig(**trl_common, num_generations=2,
+                                                              max_completion_length=4),
+                                          train_dataset=dataset)
             else:
                 teacher = _tiny_llama(seed=1, device=device)
                 teacher.config.update(dict(pad_token_id=0, eos_token_id=2))
