@@ -19,7 +19,8 @@ recomputed with the per-row weights otherwise (``reduction="none"`` with per-tok
 Precision: both logits chunks in fp32, straight from the matmul's fp32 accumulator (cuBLAS ``out_dtype`` on CUDA):
 a divergence between close distributions is a small difference of log-probabilities, which logits rounded to bf16
 (about +-0.03 at |z| ~ 8) would swamp; softmax, divergence and gradient math in fp32; the chunk's gradient G in
-the student's matmul dtype (the operand of the dX and dW matmuls); dX (N x H) and dW (V x H) kept in fp32 until
+the student's matmul dtype (the operand of the dX and dW matmuls; a 2-byte G is written over the first half of
+each row of the student's fp32 chunk, so a chunk costs 8 bytes per logit); dX (N x H) and dW (V x H) kept in fp32 until
 backward (one rounding whatever grad_output is); outputs fp32.
 
 Example::
@@ -41,7 +42,7 @@ from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
 from .inputs import check_gathered_for_backward, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, traced
-from .plan import max_chunk_rows, split_rows
+from .plan import LOGITS_BUDGET_BYTES, max_chunk_rows, rows_within, split_rows
 from .transform import LogitTransform
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -115,18 +116,27 @@ class DivergenceOutput(NamedTuple):
 # ---- the chunk loop ---------------------------------------------------------------------------------------------
 
 
+#: A chunk's buffers may take this much, or the loss's budget plus the returned dW's bytes if more (below). Each
+#: logit costs 8 bytes here (two fp32 chunks; G is written over the student's), 2 in the loss: within the loss's
+#: 240 MiB a chunk would be ~200 rows at V = 152k, under one wave of the kernel's one program per row, with short
+#: matmuls and, with a trainable head, one pass over the fp32 dW accumulator per chunk (H200, Qwen2.5-0.5B
+#: reverse KL: 45 chunks, the kernel at half its bandwidth; benchmarks/NOTES.md).
+BUDGET_BYTES = 4 * LOGITS_BUDGET_BYTES
+
+
 def _chunk_rows(opts: DivergenceOptions, count: int, student_hidden: Tensor, teacher_hidden: Tensor,
                 student_weight: Tensor, need_weight: bool) -> int:
-    """Rows per chunk: both logits chunks and G within the loss's budget (plan.max_chunk_rows), plus, with a
-    trainable head, the returned dW's bytes: that dW exists only in backward, after the chunks are freed, beside the
-    fp32 accumulator saved for it, so the peak stays that of backward (fewer chunks: fewer passes over the
-    accumulator)."""
+    """Rows per chunk: both fp32 logits chunks within ``BUDGET_BYTES`` or, with a trainable head, within the loss's
+    budget plus the returned dW's bytes where that is more: that dW exists only in backward, after the chunks are
+    freed, beside the fp32 accumulator saved for it, so the peak stays that of backward (fewer chunks: fewer passes
+    over the accumulator)."""
     vocab = student_weight.shape[0]
-    per_row = vocab * (4 + 4 + (student_hidden.element_size() if student_hidden.dtype != F32 else 0))
-    per_row += student_hidden.shape[1] * (student_hidden.element_size() + 4)
+    per_row = vocab * (4 + 4) + student_hidden.shape[1] * (student_hidden.element_size() + 4)
     per_row += teacher_hidden.shape[1] * teacher_hidden.element_size()
     result = student_weight.numel() * student_weight.element_size() if need_weight else 0
-    return split_rows(count, max_chunk_rows(count, per_row, opts.chunk_size, 0, result))
+    if opts.chunk_size is not None or count * per_row <= BUDGET_BYTES:
+        return split_rows(count, max_chunk_rows(count, per_row, opts.chunk_size))
+    return split_rows(count, rows_within(per_row, max(BUDGET_BYTES, LOGITS_BUDGET_BYTES + result)))
 
 
 def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
@@ -146,8 +156,6 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
     grads = need_hidden or need_weight or need_bias
     mm_dtype = student_hidden.dtype
     student_buffer, teacher_buffer = (torch.empty(rows * vocab, dtype=F32, device=device) for _ in range(2))
-    # G in the matmul dtype: in place of fp32 logits only when that is the matmul dtype
-    grad_buffer = torch.empty(rows * vocab, dtype=mm_dtype, device=device) if grads and mm_dtype != F32 else None
     for start in range(0, count, rows):
         end = min(start + rows, count)
         index = positions[start:end]
@@ -156,7 +164,7 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
                                                                                             teacher_buffer))
         logits_into(x_s, h_s, student_weight, student_bias)
         logits_into(x_t, h_t, teacher_weight, teacher_bias)
-        g = None if not grads else x_s if grad_buffer is None else grad_buffer[: (end - start) * vocab].view(x_s.shape)
+        g = None if not grads else x_s if mm_dtype == F32 else _over_first_half(x_s, mm_dtype)
         backend.divergence_rows(
             x_s, x_t, divergence[start:end], None if entropy is None else entropy[start:end], g,
             None if row_weight is None else row_weight[start:end], student=opts.student, teacher=opts.teacher,
@@ -171,6 +179,13 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
         if need_bias:
             d_bias += g.sum(dim=0, dtype=F32)
     return divergence, entropy, d_hidden, d_weight, d_bias
+
+
+def _over_first_half(logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """G (rows, V) in a 2-byte ``dtype`` over the first half of each fp32 logits row (row stride 2V): the kernel
+    writes each block of G after reading that block, and the block's G covers only columns it has read, so no
+    logit is overwritten before its last read; the matmuls take the row stride as their leading dimension."""
+    return logits.view(dtype)[:, : logits.shape[1]]
 
 
 def _scatter(values: Tensor, positions: Tensor, n_tokens: int) -> Tensor:

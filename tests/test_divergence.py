@@ -168,23 +168,28 @@ def test_teacher_gets_no_gradient_and_no_selected_rows():
     assert empty.grad.shape == (0, HS) and torch.all(sw.grad == 0)
 
 
+@pytest.mark.parametrize("rows, vocab, chunk_size", [(64, 300, None), (64, 300, 16), (24, 4500, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_no_worse_than_eager(dtype):
-    """bf16/fp16 operands: the divergence and dX as exact as eager PyTorch on logits rounded to that dtype."""
-    sh, sw, sb, th, tw, tb, labels = make(n=64, v=300, dtype=dtype, bias=False)
+def test_half_precision_no_worse_than_eager(dtype, rows, vocab, chunk_size, backend):
+    """bf16/fp16 operands: the divergence, dX and dW as exact as eager PyTorch on logits rounded to that dtype; in
+    one chunk and in several, and with rows of several kernel blocks (G, 2 bytes, is written over the first half of
+    each fp32 student row, block by block)."""
+    sh, sw, sb, th, tw, tb, labels = make(n=rows, v=vocab, dtype=dtype, bias=False)
     sh.requires_grad_(True)
+    sw.requires_grad_(True)
     selected = labels != -100
     value, _, leaves = reference(sh, sw, None, th, tw, None, selected, beta=0.0)
     value.sum().backward()
-    eager_h = sh.detach().clone().requires_grad_(True)
-    log_ps = torch.log_softmax((eager_h @ sw.T).float(), -1)
+    eager_h, eager_w = (t.detach().clone().requires_grad_(True) for t in (sh, sw))
+    log_ps = torch.log_softmax((eager_h @ eager_w.T).float(), -1)
     log_pt = torch.log_softmax((th @ tw.T).float(), -1)
     eager = torch.where(selected, (log_pt.exp() * (log_pt - log_ps)).sum(-1), 0.0).sum()
     eager.backward()
-    out = fused_divergence(sh, sw, th, tw, labels, reduction="sum")
+    out = fused_divergence(sh, sw, th, tw, labels, reduction="sum", chunk_size=chunk_size)
     out.backward()
     assert rel_err(out, value.sum()) <= 1.5 * rel_err(eager, value.sum()) + 1e-6
     assert rel_err(sh.grad, leaves["hidden"].grad) <= 1.25 * rel_err(eager_h.grad, leaves["hidden"].grad)
+    assert rel_err(sw.grad, leaves["weight"].grad) <= 1.25 * rel_err(eager_w.grad, leaves["weight"].grad)
 
 
 def test_retain_graph_and_higher_order():
