@@ -339,7 +339,7 @@ class LinearHead:
         )
         self.sets = [self._grad_set() for _ in range(plan.grad_components)]
         self.row_parts: dict = {}  # dX / du rows of the chunk while they are summed over vocabulary tiles
-        self.side = side_stream(self.device) if plan.overlap_grad_matmuls else None
+        self.side = _side_stream(self.device) if plan.overlap_grad_matmuls else None
 
     def _grad_set(self) -> dict:
         """One component's gradients: dX / du rows (saved wide), dW / dB accumulators, db in fp32."""
@@ -489,7 +489,7 @@ class GivenLogits:
         return ((self.grad_logits,),)
 
 
-def side_stream(device: torch.device):
+def _side_stream(device: torch.device):
     """A second CUDA stream for G @ W: with few rows it has few output tiles, and fills the GPU only beside
     the large G.T @ h running on the main stream."""
     if device not in _side_streams:

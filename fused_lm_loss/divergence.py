@@ -12,7 +12,7 @@ and optionally the student's entropy. Only the student gets gradients (hidden st
 matmul runs once. Per chunk of selected rows: both logits chunks by cuBLAS, one backend step
 (``divergence_rows``: the Triton kernel in ``kernels/divergence.py`` on CUDA, its PyTorch twin in
 ``torch_backend.py`` otherwise) writes the divergence and, in place of the student's logits, d div_i / d x_s with
-weight 1 per row; then dX rows = G @ W_s (CUDA: on a second stream) and dW_s += G^T h_s. Backward weights dX per row (exact for any
+weight 1 per row; then dX rows = G @ W_s and dW_s += G^T h_s. Backward weights dX per row (exact for any
 grad_output); dW_s and db_s are rescaled when grad_output is one value over the selected rows (mean, sum) and
 recomputed with the per-row weights otherwise (``reduction="none"`` with per-token weights).
 
@@ -31,7 +31,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .backends import get_backend
-from .chunked import label_ids, logits_into, matmul_accumulate, side_stream
+from .chunked import logits_into, matmul_accumulate, label_ids
 from .inputs import check_gathered_for_backward, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, traced
 from .plan import LOGITS_BUDGET_BYTES, max_chunk_rows, rows_within, split_rows
@@ -157,8 +156,6 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
     grads = need_hidden or need_weight or need_bias
     mm_dtype = student_hidden.dtype
     student_buffer, teacher_buffer = (torch.empty(rows * vocab, dtype=F32, device=device) for _ in range(2))
-    # CUDA, a trainable head: dX (few output tiles) on a second stream beside dW, as the loss's chunks do
-    side = side_stream(device) if device.type == "cuda" and need_hidden and need_weight else None
     for start in range(0, count, rows):
         end = min(start + rows, count)
         index = positions[start:end]
@@ -173,19 +170,14 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
             None if row_weight is None else row_weight[start:end], student=opts.student, teacher=opts.teacher,
             beta=opts.mixture_beta,
         )
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if need_hidden:
-                dx = torch.empty(end - start, student_hidden.shape[1], dtype=F32, device=device)
-                matmul_accumulate(dx, g, student_weight, first=True)
-                d_hidden.index_copy_(0, index, dx)
+        if need_hidden:
+            dx = torch.empty(end - start, student_hidden.shape[1], dtype=F32, device=device)
+            matmul_accumulate(dx, g, student_weight, first=True)
+            d_hidden.index_copy_(0, index, dx)
         if need_weight:
             matmul_accumulate(d_weight, g.t(), h_s, first=False)
         if need_bias:
             d_bias += g.sum(dim=0, dtype=F32)
-        if side is not None:  # the next chunk overwrites G
-            torch.cuda.current_stream(device).wait_stream(side)
     return divergence, entropy, d_hidden, d_weight, d_bias
 
 
