@@ -522,6 +522,37 @@ def _averaged_grads(trainable: list, world: int) -> dict:
     return {n: p.grad.clone() for n, p in trainable}
 
 
+def _side_by_side(engine, reference, engine_loss: Callable, reference_loss: Callable, *, steps: int, rank: int,
+                  world: int) -> tuple[dict, torch.Tensor]:
+    """``steps`` SGD steps (lr 0.5) of a DeepSpeed engine and of an unpartitioned reference on the same batches
+    (this rank's: 2 x 12 ids, the first 3 labels ignored; the reference's gradients averaged over the ranks, as
+    DeepSpeed's reduction does). Returns each step's losses and full gradients for both, the final parameters (the
+    engine's gathered), and the last labels."""
+    device = next(reference.parameters()).device
+    trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
+    out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + 10 * rank + step)
+        ids = torch.randint(0, 96, (2, 12), generator=gen).to(device)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        loss = engine_loss(ids, labels)
+        engine.backward(loss)
+        out["grads"].append(_full_grads(engine))
+        engine.step()
+        ref_loss = reference_loss(ids, labels)
+        ref_loss.backward()
+        out["ref_grads"].append(_averaged_grads(trainable, world))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["loss"].append(loss.item())
+        out["ref_loss"].append(ref_loss.item())
+    out["params"] = _gathered_params(engine)
+    out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    return out, labels
+
+
 def _partition_errors(engine, labels: torch.Tensor) -> dict:
     """The errors of fused calls that meet the head's ZeRO-3 partition: outside any forward (the loss must refuse
     it), and in a backward that recomputes with a head gathered for forward only (per-token weights; DeepSpeed
@@ -547,10 +578,11 @@ def _partition_errors(engine, labels: torch.Tensor) -> dict:
 
 
 def zero3_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
-    """Per case: a tiny Llama trained 3 SGD steps under DeepSpeed ZeRO-3 (every parameter partitioned), patched
+    """Per case: a tiny Llama trained 3 SGD steps under DeepSpeed (ZeRO-3, every parameter partitioned; "zero2";
+    "offload": ZeRO-3 with parameters and optimizer state on the host), patched
     with fused_lm_loss, beside an unpartitioned copy (gradients all-reduced and averaged). Returns each step's
-    loss and every full gradient (DeepSpeed's, after its reduction) for both, and the final parameters.
-    (benchmarks/bench_zero3.py runs it on one GPU: rank 0 of 1, NCCL, device "cuda".)"""
+    loss and every full gradient (DeepSpeed's, after its reduction) for both, and the final parameters. (On a GPU
+    run, test_deepspeed.py runs it on one GPU: rank 0 of 1, NCCL, device "cuda".)"""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import copy
@@ -573,27 +605,9 @@ def zero3_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> di
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                          if p.requires_grad],
                                           config=_zero3_config(case=case))
-        trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
-        out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
-        for step in range(3):
-            gen = torch.Generator().manual_seed(100 + 10 * rank + step)
-            ids = torch.randint(0, 96, (2, 12), generator=gen).to(device)
-            labels = ids.clone()
-            labels[:, :3] = -100
-            loss = engine(input_ids=ids, labels=labels).loss
-            engine.backward(loss)
-            out["grads"].append(_full_grads(engine))
-            engine.step()
-            ref_loss = reference(input_ids=ids, labels=labels).loss
-            ref_loss.backward()
-            out["ref_grads"].append(_averaged_grads(trainable, world))
-            optimizer.step()
-            optimizer.zero_grad()
-            out["loss"].append(loss.item())
-            out["ref_loss"].append(ref_loss.item())
-        out["params"] = _gathered_params(engine)
-        out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        out, labels = _side_by_side(engine, reference, lambda ids, labels: engine(input_ids=ids, labels=labels).loss,
+                                    lambda ids, labels: reference(input_ids=ids, labels=labels).loss,
+                                    steps=3, rank=rank, world=world)
         if case != "zero2":  # (ZeRO-2 keeps every parameter whole)
             out.update(_partition_errors(engine, labels))
         results[case] = out
@@ -663,32 +677,19 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -
                 return _ForwardRedirection()(engine, engine.module, student_loss, engine.module)
             return student_loss(net)
 
-        trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD([p for _, p in trainable], lr=0.5)
-        out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
+        def engine_loss(ids, labels):
+            flag = HfDeepSpeedConfig(_zero3_config())  # as Trainer(deepspeed=...) sets it: TRL gathers the head
+            try:
+                return step_loss(engine, None if teacher_engine is None else teacher_engine.module, ids, labels)
+            finally:
+                unset_hf_deepspeed_config()
+                del flag
+
         served.clear()
-        for step in range(2):
-            gen = torch.Generator().manual_seed(100 + 10 * rank + step)
-            ids = torch.randint(0, 96, (2, 12), generator=gen).to(device)
-            labels = ids.clone()
-            labels[:, :3] = -100
-            hf_flag = HfDeepSpeedConfig(_zero3_config())  # what Trainer(deepspeed=...) sets: TRL gathers the head
-            loss = step_loss(engine, None if teacher_engine is None else teacher_engine.module, ids, labels)
-            engine.backward(loss)
-            out["grads"].append(_full_grads(engine))
-            engine.step()
-            unset_hf_deepspeed_config()
-            del hf_flag
-            ref_loss = step_loss(reference, teacher, ids, labels)
-            ref_loss.backward()
-            out["ref_grads"].append(_averaged_grads(trainable, world))
-            optimizer.step()
-            optimizer.zero_grad()
-            out["loss"].append(loss.item())
-            out["ref_loss"].append(ref_loss.item())
+        out, _ = _side_by_side(engine, reference, engine_loss,
+                               lambda ids, labels: step_loss(reference, teacher, ids, labels),
+                               steps=2, rank=rank, world=world)
         out["served"] = len(served)
-        out["params"] = _gathered_params(engine)
-        out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
         results[case] = out
         engine.destroy()
     return results
