@@ -15,7 +15,8 @@ it (``plan.stats_in_matmul``, Hopper). This script runs, on the same kept rows (
   FusedLMLoss     FusedLMLoss()(x, w, y) under torch.no_grad(): the public call (select_rows, plan, loop)
 each as a multiple of one full-batch cuBLAS matmul x @ W.T (the forward floor), medians of --repeats
 interleaved repeats; then, at the plan's first chunk, the two paths' kernels alone (matmul_partials +
-merge_partials against torch.mm + row_losses), and the largest difference between the two paths' losses.
+merge_partials, the same with ``exp_out``: also storing exp(z - m) per (row, tile), issue 27's first step,
+against torch.mm + row_losses), and the largest difference between the two paths' losses.
 Where the backend has no epilogue matmul (CPU torch backend, bf16 under the interpreter) only the
 cuBLAS+losses rows run.
 """
@@ -29,8 +30,11 @@ import torch
 
 from common import DEVICE, SHAPES, bench, default_shapes, describe, inputs, plan_for
 from fused_lm_loss import FusedLMLoss
-from fused_lm_loss.chunked import run_chunks
+from fused_lm_loss.chunked import LossStep, run_chunks
+from fused_lm_loss.kernels.matmul_stats import matmul_partials
+from fused_lm_loss.loss_terms import LossTerms
 from fused_lm_loss.plan import bytes_per_logit, max_chunk_rows, split_rows
+from fused_lm_loss.transform import LogitTransform
 
 
 def stored_logits_plan(plan, head, rows):
@@ -41,6 +45,11 @@ def stored_logits_plan(plan, head, rows):
                                                                        plan.grad_input_dtype)
     rows = split_rows(plan.n_rows, max_chunk_rows(plan.n_rows, bytes_per_row, None))
     return dataclasses.replace(plan, stats_in_matmul=False, chunk_rows=rows)
+
+
+def loop(plan, head, rows) -> torch.Tensor:
+    """The chunk loop of a loss call on this plan (ops.py's): the per-row losses."""
+    return run_chunks(plan, head, rows, LossStep(plan, DEVICE)).step.loss
 
 
 def chunks_of(plan) -> str:
@@ -56,7 +65,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = getattr(torch, args.dtype)
     print("| shape | floor ms | epilogue (chunks) | cuBLAS+losses (chunks) | fp32 epilogue | FusedLMLoss no-grad | "
-          "first chunk: partials+merge / mm+row_losses ms | max loss diff |")
+          "first chunk: partials+merge / the same storing exp(z - m) / mm+row_losses ms | max loss diff |")
     print("|---" * 8 + "|")
     plans = []
     for name in default_shapes(args.shapes):
@@ -67,11 +76,11 @@ def main():
         plans.append(f"{name} plan: {describe(plan)}")
         full = torch.empty(x.shape[0], w.shape[0], device=DEVICE, dtype=dtype)
         loss_fn = FusedLMLoss()
-        variants = {"cuBLAS+losses": lambda: run_chunks(stored, head, rows)}
+        variants = {"cuBLAS+losses": lambda: loop(stored, head, rows)}
         if plan.stats_in_matmul:
-            variants["epilogue"] = lambda: run_chunks(plan, head, rows)
+            variants["epilogue"] = lambda: loop(plan, head, rows)
         if fp32_plan.stats_in_matmul:
-            variants["fp32 epilogue"] = lambda: run_chunks(fp32_plan, fp32_head, rows)
+            variants["fp32 epilogue"] = lambda: loop(fp32_plan, fp32_head, rows)
         variants["FusedLMLoss"] = lambda: loss_fn(x, w, y)
         runs = {label: [] for label in ["floor", *variants]}
         with torch.no_grad():
@@ -86,22 +95,24 @@ def main():
             end = min(plan.chunk_rows, plan.n_rows)
             target, h_rows = rows.target[:end], rows.gather(x, 0, end)
             loss, lse = (torch.empty(end, dtype=torch.float32, device=DEVICE) for _ in range(2))
-            merge = dict(label_smoothing=0.0, z_loss=0.0, vocab_size=w.shape[0])
+            terms = LossTerms(vocab_size=w.shape[0])
             buf = torch.empty(end, w.shape[0], device=DEVICE, dtype=dtype)
             t_cublas = bench(lambda: (torch.mm(h_rows, w.t(), out=buf),
-                                      plan.backend.row_losses(buf, target, loss, lse, **plan.loss_terms)))
-            kernels = f"- / {t_cublas:.3f}"
-            losses = [run_chunks(stored, head, rows).loss]
+                                      plan.backend.row_losses(buf, target, loss, lse, transform=plan.transform,
+                                                              terms=plan.terms)))
+            kernels = f"- / - / {t_cublas:.3f}"
+            losses = [loop(stored, head, rows)]
             if plan.stats_in_matmul:
                 backend = plan.backend
 
-                def epilogue_chunk():
-                    partial = backend.matmul_partials(h_rows, w, None, target, logits_dtype=plan.logits_dtype,
-                                                      logit_scale=1.0, softcap=None, need_sum=False)
-                    backend.merge_partials(partial, need_sum=False, loss_out=loss, lse_out=lse, **merge)
+                def epilogue_chunk(exp_out=None):
+                    partial = matmul_partials(h_rows, w, None, target, logits_dtype=plan.logits_dtype,
+                                              transform=LogitTransform(), need_sum=False, exp_out=exp_out)
+                    backend.merge_partials(partial, terms=terms, loss_out=loss, lse_out=lse)
 
-                kernels = f"{bench(epilogue_chunk):.3f} / {t_cublas:.3f}"
-                losses.append(run_chunks(plan, head, rows).loss)
+                kernels = (f"{bench(epilogue_chunk):.3f} / {bench(lambda: epilogue_chunk(buf)):.3f} / "
+                           f"{t_cublas:.3f}")
+                losses.append(loop(plan, head, rows))
             diff = max(float((other - losses[0]).abs().max()) for other in losses) if losses[0].numel() else 0.0
         print(f"| {name} | {floor:.3f} | {ratio('epilogue')} ({chunks_of(plan) if plan.stats_in_matmul else '-'}) | "
               f"{ratio('cuBLAS+losses')} ({chunks_of(stored)}) | {ratio('fp32 epilogue')} | {ratio('FusedLMLoss')} | "

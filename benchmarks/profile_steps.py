@@ -57,10 +57,12 @@ def chunk_steps(x, w, y, mode, chunk_size):
     h, v = x.shape[1], w.shape[0]
     flop, nbytes = 2 * end * h * v, logits.numel() * logits.element_size()
     times = {"logits": bench(lambda: head.logits(0, end))}
-    times["losses"] = bench(lambda: backend.row_losses(logits, target, loss, lse, **plan.loss_terms))
+    times["losses"] = bench(lambda: backend.row_losses(logits, target, loss, lse, transform=plan.transform,
+                                                       terms=plan.terms))
     grad, grad_lo = head.grad_buffers(0, end)
     times["grad"] = bench(lambda: backend.grad_logits(logits, grad, target, lse, grad_scale=plan.grad_scale,
-                                                     row_scale=None, out_lo=grad_lo, **plan.loss_terms))
+                                                     row_scale=None, out_lo=grad_lo, transform=plan.transform,
+                                                     terms=plan.grad_terms))
     h_rows = rows.gather(x, 0, end)
     dx = torch.empty(end, h, device=DEVICE, dtype=plan.grad_input_dtype)
     times["dX"] = bench(lambda: mm_into(dx, grad, w))
