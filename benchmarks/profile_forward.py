@@ -15,8 +15,7 @@ it (``plan.stats_in_matmul``, Hopper). This script runs, on the same kept rows (
   FusedLMLoss     FusedLMLoss()(x, w, y) under torch.no_grad(): the public call (select_rows, plan, loop)
 each as a multiple of one full-batch cuBLAS matmul x @ W.T (the forward floor), medians of --repeats
 interleaved repeats; then, at the plan's first chunk, the two paths' kernels alone (matmul_partials +
-merge_partials, the same with ``exp_out``: also storing exp(z - m) per (row, tile), issue 27's first step,
-against torch.mm + row_losses), and the largest difference between the two paths' losses.
+merge_partials against torch.mm + row_losses), and the largest difference between the two paths' losses.
 Where the backend has no epilogue matmul (CPU torch backend, bf16 under the interpreter) only the
 cuBLAS+losses rows run.
 """
@@ -31,7 +30,6 @@ import torch
 from common import DEVICE, SHAPES, bench, default_shapes, describe, inputs, plan_for
 from fused_lm_loss import FusedLMLoss
 from fused_lm_loss.chunked import LossStep, run_chunks
-from fused_lm_loss.kernels.matmul_stats import matmul_partials
 from fused_lm_loss.loss_terms import LossTerms
 from fused_lm_loss.plan import bytes_per_logit, max_chunk_rows, split_rows
 from fused_lm_loss.transform import LogitTransform
@@ -65,7 +63,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = getattr(torch, args.dtype)
     print("| shape | floor ms | epilogue (chunks) | cuBLAS+losses (chunks) | fp32 epilogue | FusedLMLoss no-grad | "
-          "first chunk: partials+merge / the same storing exp(z - m) / mm+row_losses ms | max loss diff |")
+          "first chunk: partials+merge / mm+row_losses ms | max loss diff |")
     print("|---" * 8 + "|")
     plans = []
     for name in default_shapes(args.shapes):
@@ -100,18 +98,17 @@ def main():
             t_cublas = bench(lambda: (torch.mm(h_rows, w.t(), out=buf),
                                       plan.backend.row_losses(buf, target, loss, lse, transform=plan.transform,
                                                               terms=plan.terms)))
-            kernels = f"- / - / {t_cublas:.3f}"
+            kernels = f"- / {t_cublas:.3f}"
             losses = [loop(stored, head, rows)]
             if plan.stats_in_matmul:
                 backend = plan.backend
 
-                def epilogue_chunk(exp_out=None):
-                    partial = matmul_partials(h_rows, w, None, target, logits_dtype=plan.logits_dtype,
-                                              transform=LogitTransform(), need_sum=False, exp_out=exp_out)
+                def epilogue_chunk():
+                    partial = backend.matmul_partials(h_rows, w, None, target, logits_dtype=plan.logits_dtype,
+                                                      transform=LogitTransform(), need_sum=False)
                     backend.merge_partials(partial, terms=terms, loss_out=loss, lse_out=lse)
 
-                kernels = (f"{bench(epilogue_chunk):.3f} / {bench(lambda: epilogue_chunk(buf)):.3f} / "
-                           f"{t_cublas:.3f}")
+                kernels = f"{bench(epilogue_chunk):.3f} / {t_cublas:.3f}"
                 losses.append(loop(plan, head, rows))
             diff = max(float((other - losses[0]).abs().max()) for other in losses) if losses[0].numel() else 0.0
         print(f"| {name} | {floor:.3f} | {ratio('epilogue')} ({chunks_of(plan) if plan.stats_in_matmul else '-'}) | "

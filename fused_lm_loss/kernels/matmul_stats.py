@@ -55,8 +55,6 @@ def _matmul_stats_kernel(
     bias_ptr,
     target_ptr,
     partial_ptr,
-    exp_ptr,
-    exp_stride,
     n_rows,
     n_cols,
     hidden_size,
@@ -69,7 +67,6 @@ def _matmul_stats_kernel(
     ROUND_TO_FP16: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM: tl.constexpr,
-    STORE_EXP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -121,11 +118,7 @@ def _matmul_stats_kernel(
         # A row whose tile is all -inf (e.g. a -inf bias) subtracts 0, not -inf (-inf - -inf = NaN): sum-exp 0.
         # One select per row of the tile, nothing per element.
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max) * LOG2E
-        e = tl.exp2(z * LOG2E - shift[:, None])
-        tile_sumexp = tl.sum(e, axis=1)
-        if STORE_EXP:  # exp(z - the tile's max), from the fp32 accumulator, in (0, 1]: one rounding
-            exp_tile = exp_ptr + rows.to(tl.int64)[:, None] * exp_stride + cols[None, :]
-            tl.store(exp_tile, e.to(exp_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+        tile_sumexp = tl.sum(tl.exp2(z * LOG2E - shift[:, None]), axis=1)
         tl.store(out, tile_max, mask=row_ok)
         tl.store(out + stat_stride, tile_sumexp, mask=row_ok)
 
@@ -154,23 +147,15 @@ def matmul_partials(
     logits_dtype: torch.dtype,
     transform: LogitTransform,
     need_sum: bool,
-    exp_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The (4, tiles, rows) fp32 partials of logits = hidden @ weight.T (+ bias), without writing the logits.
 
     ``logits_dtype``: the precision the logits would have been stored in (the matmul dtype, or fp32);
     the statistics are taken of the logits rounded to it, so the loss equals the stored-logits path's.
-    ``exp_out`` ((rows, V), 2-byte float, unit column stride): also exp(z - m) of each logit in loss space, m its
-    (row, vocabulary tile)'s max (partial[0]), rounded once from fp32, so that p = exp_out * exp(m - lse) needs
-    no logit again (issue 27's first step: only benchmarks/profile_forward.py calls it yet).
     """
     rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
     check_target(target, rows, hidden.device, "matmul_partials")
-    if exp_out is not None and (exp_out.shape != (rows, vocab) or exp_out.element_size() != 2
-                                or not exp_out.is_floating_point() or (vocab > 1 and exp_out.stride(1) != 1)):
-        raise ValueError(f"exp_out must be a ({rows}, {vocab}) 2-byte float tensor with unit column stride, got "
-                         f"{tuple(exp_out.shape)} {exp_out.dtype} strides {exp_out.stride()}")
     tiles_n = triton.cdiv(vocab, BLOCK_N)
     partial = torch.empty((4, tiles_n, rows), dtype=torch.float32, device=hidden.device)
     if rows == 0:
@@ -183,8 +168,6 @@ def matmul_partials(
         bias if bias is not None else partial,
         target,
         partial,
-        exp_out if exp_out is not None else partial,
-        exp_out.stride(0) if exp_out is not None else 0,
         rows,
         vocab,
         hidden_size,
@@ -194,7 +177,6 @@ def matmul_partials(
         ROUND_TO_BF16=logits_dtype == torch.bfloat16,
         ROUND_TO_FP16=logits_dtype == torch.float16,
         NEED_SUM=need_sum,
-        STORE_EXP=exp_out is not None,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,

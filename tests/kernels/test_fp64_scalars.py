@@ -43,7 +43,7 @@ from triton.compiler import ASTSource
 FLOATS = {"factor", "u_per_x", "cap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
 POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "target_ptr": "*i64",
             "bias_ptr": "*fp16", "labels_ptr": "*i64", "positions_ptr": "*i64", "targets_ptr": "*i64",
-            "summary_ptr": "*i64", "arg_ptr": "*i32", "exp_ptr": "*bf16"}
+            "summary_ptr": "*i64", "arg_ptr": "*i32"}
 DESCRIPTORS = {"h_desc": "tensordesc<fp16[128, 64]>", "w_desc": "tensordesc<fp16[256, 64]>"}
 KERNELS = [
     ("row_stats", "_segment_stats_kernel",
@@ -78,10 +78,10 @@ KERNELS = [
      dict(HAS_SOFTCAP=False, HAS_FACTOR=True, HAS_LOGPROB=False, HAS_ENTROPY=True, BLOCK_V=2048)),
     ("matmul_stats", "_matmul_stats_kernel",
      dict(HAS_BIAS=True, HAS_FACTOR=True, ROUND_TO_BF16=False, ROUND_TO_FP16=True, HAS_SOFTCAP=True, NEED_SUM=True,
-          STORE_EXP=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
+          BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
     ("matmul_stats", "_matmul_stats_kernel",
      dict(HAS_BIAS=False, HAS_FACTOR=True, ROUND_TO_BF16=False, ROUND_TO_FP16=False, HAS_SOFTCAP=False, NEED_SUM=False,
-          STORE_EXP=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
+          BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
 ]
 
 
