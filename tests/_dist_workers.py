@@ -554,26 +554,34 @@ def _side_by_side(engine, reference, engine_loss: Callable, reference_loss: Call
 
 
 def _partition_errors(engine, labels: torch.Tensor) -> dict:
-    """The errors of fused calls that meet the head's ZeRO-3 partition: outside any forward (the loss must refuse
-    it), and in a backward that recomputes with a head gathered for forward only (per-token weights; DeepSpeed
-    swaps param.data, which no version counter sees). A frozen head (LoRA) recomputes nothing."""
+    """The errors of fused calls (the loss, token_stats, fused_divergence) that meet the head's ZeRO-3 partition:
+    outside any forward (they must refuse it), and in a backward that recomputes with a head gathered for forward
+    only (per-token weights; DeepSpeed swaps param.data, which no version counter sees). A frozen head (LoRA)
+    recomputes nothing."""
     import deepspeed
 
     import fused_lm_loss
 
     errors = {}
     weight = engine.module.get_output_embeddings().weight
+    hidden, teacher = torch.randn(2, 12, 32, device=labels.device), torch.randn(96, 32, device=labels.device)
     try:
-        fused_lm_loss.FusedLMLoss()(torch.randn(2, 12, 32, device=labels.device), weight, labels)
+        fused_lm_loss.FusedLMLoss()(hidden, weight, labels)
     except ValueError as error:
         errors["partition_error"] = str(error)
+    try:
+        fused_lm_loss.fused_divergence(hidden, weight, hidden, teacher, labels)
+    except ValueError as error:
+        errors["divergence_partition_error"] = str(error)
     if weight.requires_grad:
         with deepspeed.zero.GatheredParameters([weight]):
-            logprobs = fused_lm_loss.token_stats(torch.randn(2, 12, 32, device=labels.device), weight, labels).logprobs
-        try:
-            (logprobs * torch.rand(2, 12, device=labels.device)).sum().backward()
-        except RuntimeError as error:
-            errors["backward_error"] = str(error)
+            logprobs = fused_lm_loss.token_stats(hidden, weight, labels).logprobs
+            divergence = fused_lm_loss.fused_divergence(hidden, weight, hidden, teacher, labels, reduction="none")
+        for name, per_token in (("backward_error", logprobs), ("divergence_backward_error", divergence)):
+            try:  # per-token weights: backward recomputes with the head
+                (per_token * torch.rand(2, 12, device=labels.device)).sum().backward()
+            except RuntimeError as error:
+                errors[name] = str(error)
     return errors
 
 
