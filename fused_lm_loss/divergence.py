@@ -20,8 +20,8 @@ Precision: both logits chunks in fp32, straight from the matmul's fp32 accumulat
 a divergence between close distributions is a small difference of log-probabilities, which logits rounded to bf16
 (about +-0.03 at |z| ~ 8) would swamp; softmax, divergence and gradient math in fp32; the chunk's gradient G in
 the student's matmul dtype (the operand of the dX and dW matmuls; a 2-byte G is written over the first half of
-each row of the student's fp32 chunk, so a chunk costs 8 bytes per logit); dX (N x H) and dW (V x H) kept in fp32 until
-backward (one rounding whatever grad_output is); outputs fp32.
+each row of the student's fp32 chunk, so a chunk costs 8 bytes per logit); dX (N x H) and dW (V x H) kept in fp32
+until backward (one rounding whatever grad_output is); outputs fp32.
 
 Example::
 
@@ -42,7 +42,7 @@ from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
 from .inputs import check_gathered_for_backward, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, traced
-from .plan import LOGITS_BUDGET_BYTES, max_chunk_rows, rows_within, split_rows
+from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
 from .transform import LogitTransform
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -134,8 +134,8 @@ def _chunk_rows(opts: DivergenceOptions, count: int, student_hidden: Tensor, tea
     per_row = vocab * (4 + 4) + student_hidden.shape[1] * (student_hidden.element_size() + 4)
     per_row += teacher_hidden.shape[1] * teacher_hidden.element_size()
     result = student_weight.numel() * student_weight.element_size() if need_weight else 0
-    if opts.chunk_size is not None or count * per_row <= BUDGET_BYTES:
-        return split_rows(count, max_chunk_rows(count, per_row, opts.chunk_size))
+    if opts.chunk_size is not None:
+        return split_rows(count, opts.chunk_size)
     return split_rows(count, rows_within(per_row, max(BUDGET_BYTES, LOGITS_BUDGET_BYTES + result)))
 
 

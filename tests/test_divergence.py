@@ -300,3 +300,28 @@ def test_autocast_casts_both_sides_as_linear_does():
     value.sum().backward()
     assert rel_err(out, value.sum()) <= 1e-5
     assert rel_err(sh.grad, leaves["hidden"].grad) <= 1e-2 and rel_err(sw.grad, leaves["weight"].grad) <= 1e-2
+
+
+def test_chunk_rows_follow_the_divergences_budget():
+    """Rows per chunk at real sizes (meta tensors): all rows in one chunk while both fp32 chunks fit the budget
+    (4 x the loss's), else equal chunks within it, or within the loss's budget plus the returned dW where that is
+    more (a trainable head); chunk_size wins."""
+    from fused_lm_loss import divergence
+    from fused_lm_loss.plan import LOGITS_BUDGET_BYTES
+
+    def rows(count, hidden, vocab, need_weight, **options):
+        h = torch.empty(count, hidden, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta")
+        return divergence._chunk_rows(divergence.DivergenceOptions(**options), count, h, h, w, need_weight)
+
+    per_row = 151936 * 8 + 896 * 8  # two fp32 logits rows, the hidden rows
+    fits = divergence.BUDGET_BYTES // per_row
+    assert LOGITS_BUDGET_BYTES // per_row < fits - 1
+    assert rows(fits - 1, 896, 151936, False) == fits - 1  # one chunk, though beyond the loss's own budget
+    chunk = rows(8192, 896, 151936, False)
+    assert chunk <= fits and -(-8192 // chunk) == -(-8192 // fits)
+    weight_bytes = 128256 * 4096 * 2  # Llama-3-8B's head: the returned dW outweighs the budget
+    big = rows(8192, 4096, 128256, True)
+    assert big * (128256 * 8 + 4096 * 8) <= LOGITS_BUDGET_BYTES + weight_bytes
+    assert big > divergence.BUDGET_BYTES // (128256 * 8 + 4096 * 8)
+    assert rows(8192, 896, 151936, True, chunk_size=100) == 100
