@@ -7,7 +7,6 @@ import os
 import warnings
 
 import pytest
-import torch
 
 from .. import _dist_workers as workers
 from .hf_models import rel_err
@@ -54,7 +53,6 @@ def test_deepspeed_patched_model_trains_as_unpartitioned(zero3, case):
             assert any("lm_head" in name for name in out["grads"][0])
         for name, value in out["ref_params"].items():
             assert rel_err(out["params"][name], value) <= 1e-5, (case, name)
-        assert not torch.equal(out["params"][next(iter(out["ref_params"]))], torch.zeros(1))
         if case == "zero2":
             continue
         for name in ("partition_error", "divergence_partition_error"):
