@@ -27,11 +27,10 @@ peak memory of one step beyond what was allocated before it (torch.cuda.max_memo
 activations, logits, gradients), and the first step's loss (all implementations see the same weights and
 batch, so the losses should agree to ~1e-3). JSON rows and the table go to --out/models.json and models.md.
 
---zero3: each model runs under DeepSpeed ZeRO-3 on this one GPU (a world of one rank over NCCL, DeepSpeed's default
+--zero3: each model runs under DeepSpeed ZeRO-3 on this one GPU (a world of one rank over NCCL; DeepSpeed's default
 ZeRO-3 settings: parameters above 1e5 values partitioned, the lm_head among them; bf16 with DeepSpeed's fp32
-master weights; DeepSpeed's SGD), and
-a step is forward + engine.backward + engine.step (its partitioned reduction and update), HF's ZeRO-3 flag set as
-Trainer(deepspeed=...) sets it (TRL then gathers its head).
+master weights; DeepSpeed's SGD), and a step is forward + engine.backward + engine.step (its partitioned reduction
+and update), HF's ZeRO-3 flag set as Trainer(deepspeed=...) sets it (TRL then gathers its head).
 """
 from __future__ import annotations
 
