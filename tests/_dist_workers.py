@@ -664,12 +664,14 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -
         else:
             teacher = _tiny_llama(seed=1, device=device)
             teacher_engine, *_ = deepspeed.initialize(model=copy.deepcopy(teacher), config=_zero3_config(train=False))
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=_zero3_config())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                          config=_zero3_config())
 
         def step_loss(net, teacher_net, ids, labels):
             if case == "logprobs":
                 out = net(input_ids=ids, labels=labels, fused_lm_head=True)
-                per_sequence = torch.tensor([[1.0], [-0.5]], device=ids.device)  # chosen / rejected: DPO's per-sequence weights
+                # chosen / rejected: DPO's weights, one per sequence
+                per_sequence = torch.tensor([[1.0], [-0.5]], device=ids.device)
                 return -(per_sequence * out.log_probs).sum() + 0.1 * out.entropy.sum()
             with torch.no_grad():
                 teacher_hidden = teacher_net.model(input_ids=ids).last_hidden_state
@@ -703,15 +705,16 @@ def zero3_trl_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -
     return results
 
 
-ZERO3_TRAINER_CASES = ("trainer", "sft", "dpo", "grpo", "distill")
+ZERO3_TRAINER_CASES = ("trainer", "sft", "sft_lora", "dpo", "grpo", "distill")
 
 
 def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu") -> dict:
     """Per case, two runs of a trainer under ``TrainingArguments(deepspeed=<ZeRO-3 config>)``, unpatched and
-    patched, from the same seeds: HF's ``Trainer`` (tied embeddings), TRL's ``SFTTrainer``, ``DPOTrainer`` (policy
-    and reference patched), ``GRPOTrainer`` (generation, per-token advantages: backward recomputes with the
-    head) and ``DistillationTrainer`` (on-policy generation; the student patched). fp32, SGD, 2 steps. Returns, per case and run, the log history, the trained parameters (gathered) and how many calls our
-    kernels served."""
+    patched, from the same seeds: HF's ``Trainer`` (tied embeddings), TRL's ``SFTTrainer`` (full, and LoRA on q / v:
+    the head frozen), ``DPOTrainer`` (policy and reference patched), ``GRPOTrainer`` (generation, per-token
+    advantages: backward recomputes with the head) and ``DistillationTrainer`` (on-policy generation; the student
+    patched). fp32, SGD, 2 steps. Returns, per case and run, the log history, the trained parameters (gathered)
+    and how many calls our kernels served."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
@@ -747,6 +750,7 @@ def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu
     rows = {
         "trainer": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
         "sft": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
+        "sft_lora": {"input_ids": torch.randint(3, 96, (8, 12), generator=gen).tolist()},
         "dpo": {"prompt": [words(5) for _ in range(8)], "chosen": [words(4) + " t2" for _ in range(8)],
                 "rejected": [words(4) + " t2" for _ in range(8)]},
         "grpo": {"prompt": [words(5) for _ in range(8)]},
@@ -772,9 +776,13 @@ def zero3_trainer_worker(rank: int, world: int, cases: tuple, device: str = "cpu
             if case == "trainer":
                 trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**common),
                                                train_dataset=dataset)
-            elif case == "sft":
+            elif case in ("sft", "sft_lora"):
+                from peft import LoraConfig
+
+                lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+                lora = lora if case == "sft_lora" else None
                 trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**trl_common), train_dataset=dataset,
-                                         processing_class=tokenizer)
+                                         processing_class=tokenizer, peft_config=lora)
             elif case == "dpo":
                 ref_model = _tiny_llama(device=device)
                 ref_model.config.update(dict(pad_token_id=0, eos_token_id=2))

@@ -94,9 +94,9 @@ def zero3_trainers(tmp_path_factory):
 
 @pytest.mark.parametrize("case", workers.ZERO3_TRAINER_CASES)
 def test_trainers_with_a_zero3_config_train_patched_as_unpatched(zero3_trainers, case):
-    """``Trainer(deepspeed=...)`` and TRL's SFT, DPO, GRPO and distillation trainers, ZeRO-3 (every parameter
-    partitioned): the patched run logs the unpatched run's numbers and ends with its parameters, and our kernels
-    served its loss calls (the patched forward, or TRL's fused head / divergence)."""
+    """``Trainer(deepspeed=...)`` and TRL's SFT (full and LoRA), DPO, GRPO and distillation trainers, ZeRO-3
+    (every parameter partitioned): the patched run logs the unpatched run's numbers and ends with its parameters,
+    and our kernels served its loss calls (the patched forward, or TRL's fused head / divergence)."""
     for rank in zero3_trainers:
         got, want = rank[(case, "patched")], rank[(case, "unpatched")]
         assert got["engine"] == want["engine"] == "DeepSpeedEngine"
