@@ -256,7 +256,10 @@ def linear_divergence_backward(
         positions = selected.nonzero().view(-1)
         weights = g.index_select(0, positions)
         factor = _uniform(weights)
-        if factor is None:
+        if factor is None:  # per-row weights: both heads' logits again
+            # (the teacher, detached in divergence_with, is saved as an alias that keeps the data it was called
+            # with; the student's weight is the parameter itself)
+            check_gathered_for_backward(student_weight)
             opts = _options(beta, temperature, student_scale, student_softcap, teacher_scale, teacher_softcap,
                             chunk_size)
             *_, d_weight, d_bias = _run(opts, student_hidden, student_weight, student_bias, teacher_hidden,
@@ -314,8 +317,6 @@ def _backward(ctx, grad_divergence, *unused):
             made = [(g, x.dtype) for g, x, need in zip((d_weight, d_bias), tensors[1:3], ctx.needs[1:]) if need]
             scaled = iter(apply_factor([g for g, _ in made], [dtype for _, dtype in made], factor))
             return (None, *(next(scaled) if need else None for need in ctx.needs[1:]), *none)
-    for weight in (tensors[1], tensors[4]):  # (student, teacher)
-        check_gathered_for_backward(weight)
     grads = linear_divergence_backward(*tensors, selected, grad_divergence, d_hidden, d_weight, d_bias,
                                        list(ctx.needs), **ctx.options)
     return (*(g if need else None for g, need in zip(grads, ctx.needs)), *none)

@@ -557,7 +557,8 @@ def _partition_errors(engine, labels: torch.Tensor) -> dict:
     """The errors of fused calls (the loss, token_stats, fused_divergence) that meet the head's ZeRO-3 partition:
     outside any forward (they must refuse it), and in a backward that recomputes with a head gathered for forward
     only (per-token weights; DeepSpeed swaps param.data, which no version counter sees). A frozen head (LoRA)
-    recomputes nothing."""
+    recomputes nothing. Also the student's gradients of a divergence whose teacher was gathered for forward only,
+    beside those with the teacher gathered throughout."""
     import deepspeed
 
     import fused_lm_loss
@@ -573,6 +574,23 @@ def _partition_errors(engine, labels: torch.Tensor) -> dict:
         fused_lm_loss.fused_divergence(hidden, weight, hidden, teacher, labels)
     except ValueError as error:
         errors["divergence_partition_error"] = str(error)
+    # A teacher head gathered for forward only: the student's gradients equal those of a step with the teacher
+    # gathered throughout, with uniform weights (backward rescales) and per-row ones (backward recomputes: the
+    # teacher, which gets no gradient, is saved as a detached alias of the gathered data, which it keeps alive).
+    student = torch.randn(96, 32, device=labels.device)
+    row_weights = torch.rand(2, 12, device=labels.device)
+    for reduction in ("mean", "none"):
+        released, whole = ([t.clone().requires_grad_(True) for t in (hidden, student)] for _ in range(2))
+
+        def loss_of(h, w):
+            out = fused_lm_loss.fused_divergence(h, w, hidden, weight, labels, reduction=reduction)
+            return out if reduction == "mean" else (out * row_weights).sum()
+
+        with deepspeed.zero.GatheredParameters([weight]):
+            loss = loss_of(*released)
+            loss_of(*whole).backward()
+        loss.backward()
+        errors[f"teacher_released_grads_{reduction}"] = ([t.grad for t in released], [t.grad for t in whole])
     if weight.requires_grad:
         with deepspeed.zero.GatheredParameters([weight]):
             logprobs = fused_lm_loss.token_stats(hidden, weight, labels).logprobs

@@ -55,6 +55,9 @@ def test_deepspeed_patched_model_trains_as_unpartitioned(zero3, case):
             assert rel_err(out["params"][name], value) <= 1e-5, (case, name)
         if case == "zero2":
             continue
+        for reduction in ("mean", "none"):
+            for released, whole in zip(*out[f"teacher_released_grads_{reduction}"]):
+                assert rel_err(released, whole) == 0.0, reduction
         for name in ("partition_error", "divergence_partition_error"):
             assert "ZeRO-3 partition, not gathered" in out.get(name, "no error"), name
         if case != "lora":
