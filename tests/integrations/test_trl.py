@@ -12,7 +12,7 @@ import fused_lm_loss
 import fused_lm_loss.integrations.trl as trl_integration
 
 from ..conftest import TEST_DEVICE
-from .hf_models import VOCAB, make_model, rel_err
+from .hf_models import VOCAB, assert_same_training, make_model, rel_err
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -402,25 +402,6 @@ def _train_preference(tmp_path, trainer: str, *, impl: str, lora: bool = False, 
     return _trained(built, monkeypatch, "token_stats_with")
 
 
-def _assert_same_logs(got, want, tol=1e-5):
-    got_logs, got_params, _ = got
-    want_logs, want_params, _ = want
-    assert len(got_logs) == len(want_logs)
-    for g, w in zip(got_logs, want_logs):
-        assert g.keys() == w.keys()
-        # KTO's KL is a difference of summed log-probabilities (policy - reference): its round-off is that of
-        # the sums (the logged logps/*), not of the small difference (on CUDA the two heads' matmuls round apart)
-        logps = [abs(v) for k, v in w.items() if "logps/" in k and isinstance(v, float)]
-        for key, value in w.items():
-            timing = any(word in key for word in ("runtime", "per_second", "step_time"))
-            if isinstance(value, float) and not timing:
-                slack = tol * max(logps) if key.endswith("kl") and logps else 1e-6
-                assert g[key] == pytest.approx(value, rel=tol, abs=slack), key
-    assert got_params.keys() == want_params.keys()
-    for name, value in want_params.items():
-        assert rel_err(got_params[name], value) <= tol, name
-
-
 @pytest.mark.parametrize("trainer,config", [
     ("dpo", dict()), ("dpo", dict(use_weighting=True)), ("kto", dict()),
 ], ids=["dpo", "dpo_wpo", "kto"])
@@ -438,7 +419,7 @@ def test_preference_trainers_run_our_kernels_with_trls_numbers(tmp_path, monkeyp
     assert got[2] > 0
     logged = set().union(*(log.keys() for log in got[0]))
     assert any(key.startswith("logits/") for key in logged), sorted(logged)
-    _assert_same_logs(got, want)
+    assert_same_training(*got[:2], *want[:2])
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.4])
@@ -499,4 +480,4 @@ def test_distillation_trainer_runs_our_kernels_with_trls_numbers(tmp_path, monke
     want = _distill(tmp_path, impl="trl", beta=beta)
     got = _distill(tmp_path, impl="patched", beta=beta, monkeypatch=monkeypatch)
     assert got[2] > 0
-    _assert_same_logs(got, want)
+    assert_same_training(*got[:2], *want[:2])
