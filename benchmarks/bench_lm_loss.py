@@ -171,8 +171,20 @@ def peer_trl_head():
     return lambda x, w, y, scaling: peers.trl_sft_loss(module, x, w, y)
 
 
+def peer_quack(scaled_exp: bool):
+    """Quack's chunked pipeline (cuBLAS-like CuTe GEMMs + a row kernel) or its scaled-exp pipeline (statistics
+    and E = exp(z - k) from the logits GEMM's epilogue, per-(row, tile) factors in the gradient GEMMs' operand
+    loads; sm90, bf16 only), chunks of 4096 rows (its default)."""
+    def load():
+        loss = peers.quack_loss()
+        return lambda x, w, y, scaling: loss(x, w, y, ignore_index=-100, use_scaled_exp=scaled_exp)
+
+    return load
+
+
 #: peer name -> (its distribution, a loader returning impl(x, w, y, scaling)); each optional
-PEERS = {"liger": ("liger-kernel", peer_liger), "cce": ("cut-cross-entropy", peer_cce), "trl_head": ("trl", peer_trl_head)}
+PEERS = {"liger": ("liger-kernel", peer_liger), "cce": ("cut-cross-entropy", peer_cce), "trl_head": ("trl", peer_trl_head),
+         "quack_chunked": ("quack-kernels", peer_quack(False)), "quack_scaled_exp": ("quack-kernels", peer_quack(True))}
 
 
 def load_peers(env):
@@ -186,6 +198,8 @@ def load_peers(env):
             print(f"{name} unavailable: {type(e).__name__}: {str(e)[:300]}")
     if "trl_head" in found:
         env["trl_import"] = peers.trl_how()
+    if any(name.startswith("quack") for name in found):
+        env["cutlass_dsl"] = peers.version("nvidia-cutlass-dsl")
     return found
 
 
@@ -512,7 +526,7 @@ def sweep(shape, record):
 def write_table(rows, env, out):
     lines = [
         f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']}"
-        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce", "trl_head") if k in env),
+        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce", "trl_head", "quack_chunked", "cutlass_dsl") if k in env),
         "",
         "| shape | data | ignored | mode | dtype | impl | ms | × floor | extra GiB | err loss | err dX | err dW |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -5,6 +5,14 @@
     trl_kernel()        TRL's ChunkedLogProbFunction module (trl/kernels/chunked_logprob.py, TRL >= 1.16)
     trl_fused_head()    trl.trainer.utils.add_fused_lm_head, the model patch TRL's trainers apply
     trl_sft_loss(...)   the loss as TRL's fused head computes it (SFT: mean NLL over the non-ignored tokens)
+    quack_loss()        quack.linear_cross_entropy.chunked_linear_cross_entropy (quack-kernels, NVIDIA CuTe DSL)
+
+Quack 0.6.5 does not import against nvidia-cutlass-dsl 4.7.1 / 4.8.1 as released: building its own epilogue
+library, its compile-cache key (``quack.gemm_runtime.identity.semantic_value_key``) meets objects that the
+DSL's helpers close over (a ContextVar in 4.8.1, a logging.Logger in 4.7.1, a code object's method) and
+raises TypeError. ``quack_loss`` keys such objects by their type instead; they do not change the math that
+Quack traces between our calls (fixed shapes and dtypes per benchmark row). For measuring only: a library
+could not ship that.
 
 TRL's kernel file needs only torch, packaging and ``transformers.utils``, but ``trl.trainer.utils`` (which
 ``add_fused_lm_head`` lives in, and which the kernel's backward imports at call time for DeepSpeed's
@@ -47,6 +55,27 @@ def cce_loss():
     from cut_cross_entropy import linear_cross_entropy
 
     return linear_cross_entropy
+
+
+def quack_loss():
+    """Quack's ``chunked_linear_cross_entropy(x, weight, target, chunk_size, ignore_index, reduction, tuned,
+    use_scaled_exp)`` (see the module docstring for the import shim)."""
+    import quack.gemm_runtime.identity as identity
+
+    if not getattr(identity.semantic_value_key, "_keyed_by_type", False):
+        original = identity.semantic_value_key
+
+        def semantic_value_key(value, seen):
+            try:
+                return original(value, seen)
+            except TypeError:
+                return ("by-type", type(value).__module__, type(value).__qualname__)
+
+        semantic_value_key._keyed_by_type = True
+        identity.semantic_value_key = semantic_value_key
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    return chunked_linear_cross_entropy
 
 
 def _stub_trainer_utils() -> types.ModuleType:

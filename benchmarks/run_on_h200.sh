@@ -21,6 +21,11 @@
 # (there) and datasets (not there), whose own needs dill and multiprocess are not there either (filelock,
 # requests, httpx, tqdm, xxhash, fsspec are). Without datasets the benchmarks still run TRL's kernel alone
 # (benchmarks/peers.py). Keep one version of each wheel in .whl/.
+#
+# Quack (the quack_* rows) needs NVIDIA's CuTe DSL, too large for one call: pack it with
+# `bash ../shared/device/pack_cute_dsl.sh .cute 4.8.1 0.6.5`, run `bash .cute/a/unpack.sh` in a call carrying
+# .cute/a, then, in the next call (the machine still warm) carrying .cute/b, pass the path that
+# `bash .cute/b/install.sh` prints as CUTE_PYTHONPATH.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-bench_out}
@@ -29,7 +34,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD
 fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONPATH=${PYTHONPATH:-$PWD}${CUTE_PYTHONPATH:+:$CUTE_PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # TESTS / TESTS_AFTER: pytest paths to run before / after the benchmark (TESTS=0: none; split at spaces, so no
 # quoted -k expressions: name test ids instead); *_TIMEOUT: seconds
