@@ -57,7 +57,7 @@ if [ -n "${PROFILE:-}" ]; then
     set -- $PROFILE
     script=benchmarks/profile_$1.py
     shift
-    timeout 150 python3 "$script" "$@" > "$OUT/profile.log" 2>&1
+    timeout "${PROFILE_TIMEOUT:-150}" python3 "$script" "$@" > "$OUT/profile.log" 2>&1
     echo "$script $* exited $?"
     grep -v "Warn\|warn" "$OUT/profile.log" | cut -c1-220 | tail -n 120
 fi

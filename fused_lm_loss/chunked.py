@@ -35,6 +35,8 @@ Buffers and their precision:
                 operands: two buffers of the matmul dtype holding G = hi + lo (see kernels/grad_logits.py);
                 dX = hi @ W + lo @ W on tensor cores sees G to ~16 bits, dW uses hi
   row stats / loss / lse  (rows,)       fp32; partial statistics per (row, vocab segment or tile) fp32
+  Hopper path   (plan.exp_epilogue)     the logits chunk holds E = exp(z - k) (bf16) instead, k and its sums
+                                        per (row, tile) and the target logit beside it, fp32 (exp_epilogue.py)
   dX            (N, H)                  ``plan.grad_input_dtype``: fp32 by default (saved until backward
                                         rounds it once; summed there over vocabulary tiles and vocab-parallel
                                         shards); the hidden dtype on CUDA with torch < 2.8
@@ -148,6 +150,8 @@ def _run_chunk(head, rows: Rows, step, start: int, end: int, cols: tuple[int, in
     # A function of its own so that no view of the chunk buffers outlives the loop: head.finish() frees
     # them before the dW result takes their memory (plan.py). ``cols``: the vocabulary tile, None for all.
     logits = head.logits(start, end, cols)
+    if head.exp_stats is not None:  # the Hopper path: E in the logits' place, the statistics beside it
+        step.exp_stats = head.exp_stats
     target = rows.target[start:end]
     if cols is not None:  # columns of the tile; -1 where the label is in another tile (as for another shard)
         target = torch.where((target >= cols[0]) & (target < cols[1]), target - cols[0], -1)
@@ -170,9 +174,13 @@ class LossStep:
         self.lse = torch.empty(plan.n_rows, dtype=torch.float32, device=device) if self.compute else lse
         self.argmax = torch.empty(plan.n_rows, dtype=torch.int64, device=device) if plan.need_argmax else None
         self.grads = [self._grad] if plan.needs.any() else []
+        self.exp_stats = None  # the chunk's exp_epilogue.ExpStats on the Hopper path (plan.exp_epilogue)
 
     def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
-        if self.compute:
+        if self.compute and self.exp_stats is not None:  # E is not the logits: merge the epilogue's partials
+            self.plan.backend.merge_partials(self.exp_stats.partials(), terms=self.plan.terms,
+                                             loss_out=self.loss[start:end], lse_out=self.lse[start:end])
+        elif self.compute:
             _chunk_losses(self.plan, logits, target, self.loss[start:end], self.lse[start:end])
         if self.argmax is not None:  # token accuracy: a second read of the chunk, only when asked for
             scratch = torch.empty((3, end - start), dtype=torch.float32, device=logits.device)
@@ -182,6 +190,12 @@ class LossStep:
 
     def _grad(self, logits, out, target, start, end, out_lo) -> None:
         plan = self.plan
+        if self.exp_stats is not None:
+            plan.backend.grad_from_exp(
+                logits, out, target, self.lse[start:end], self.exp_stats, terms=plan.grad_terms,
+                grad_scale=plan.grad_scale, row_scale=None if self.row_scale is None else self.row_scale[start:end],
+            )
+            return
         plan.backend.grad_logits(
             logits, out, target, self.lse[start:end], transform=plan.transform, terms=plan.grad_terms,
             grad_scale=plan.grad_scale, row_scale=None if self.row_scale is None else self.row_scale[start:end],
@@ -308,6 +322,7 @@ class LinearHead:
 
     # what make_plan asks of a head
     transformed = False  # the logits are raw matmul outputs: the plan applies the whole logit transform
+    exp_stats = None  # the last chunk's exp_epilogue.ExpStats (plan.exp_epilogue)
 
     @property
     def kept_logits_mode(self) -> str | None:
@@ -366,6 +381,9 @@ class LinearHead:
             logits = self.kept_logits.tensor[start:end]
         else:
             logits = _view(self.buffers.logits, end - start, last - first)
+        if self.plan.exp_epilogue:  # E and the statistics instead of the logits (never tiled, no bias or u)
+            self.exp_stats = self.plan.backend.exp_matmul(self.h, self.weight, self.rows.target[start:end], logits)
+            return logits
         logits_into(logits, self.h, self.weight[tile], None if self.bias is None else self.bias[tile])
         if self.u is not None:
             matmul_accumulate(logits, self.u_rows, self.b[tile].t(), first=False)
@@ -444,7 +462,7 @@ class GivenLogits:
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.given, self.device, self.matmul_dtype = logits, logits.device, logits.dtype
-        self.vocab_weight = self.stats_operands = self.kept_logits_mode = None
+        self.vocab_weight = self.stats_operands = self.kept_logits_mode = self.exp_stats = None
 
     # the logits already carry the model's softcap / scale (the plan applies only the temperature); their dtype
     # is the logits dtype

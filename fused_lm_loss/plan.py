@@ -24,6 +24,7 @@ import torch
 
 from .backends import Backend
 from .distributed import Shard
+from .exp_epilogue import bytes_per_row as exp_epilogue_bytes_per_row
 from .loss_terms import LossTerms
 from .options import LossOptions
 from .transform import LogitTransform
@@ -79,6 +80,7 @@ class Plan:
     chunk_rows: int
     tile_cols: int  # vocabulary columns per tile: all of this shard's (shard.size) unless tiled (vocab_tiling)
     stats_in_matmul: bool  # forward without gradients: statistics from the matmul epilogue, no logits chunk
+    exp_epilogue: bool  # training, sm90: the logits GEMM writes E = exp(z - k) and the statistics (exp_epilogue.py)
     kept_logits: str | None  # the head's kept logits (keep_logits): "store" (forward writes them for backward),
     #                          "reuse" (backward reads them instead of recomputing), None (a logits chunk buffer)
     # buffer dtypes (see the table in chunked.py)
@@ -171,8 +173,20 @@ def make_plan(
         kept_logits is None and epilogue_stats and not needs.any() and operands is not None and class_weight is None
         and not need_argmax and backend.supports_stats_in_matmul(*operands)
     )
+    transform = opts.transform.without_model_part() if head.transformed else opts.transform
+    # the plain loss only: the epilogue applies no bias or transform and sums no logits or class weights, and the
+    # top-1 (token accuracy) of E's tiles is not z's. Not for a recompute (vocab_tiles): E must agree with the lse
+    # the forward took, and that forward (no gradients) took it from logits rounded to the matmul dtype
+    exp_epilogue = (
+        needs.any() and epilogue_stats and not vocab_tiles and components == 1 and kept_logits is None and operands is not None
+        and head.bias is None and shard.group is None and class_weight is None and not terms.smooths
+        and not transform.has_softcap and transform.factor == 1.0 and logits_dtype == matmul_dtype
+        and not need_argmax and backend.supports_exp_epilogue(*operands)
+    )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
+    if exp_epilogue:
+        row_bytes += exp_epilogue_bytes_per_row(shard.size)
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
     wide_dw = needs.weight and weight is not None and saves_weight_grad_wide(
         opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
@@ -200,6 +214,7 @@ def make_plan(
     tile_cols = shard.size
     # (not with vocab parallelism: every rank's chunks stay those of chunk_vocab, in step with the others)
     if (vocab_tiles and chunk_rows < n_rows and opts.chunk_size is None and not stats_in_matmul and not split_grad
+            and not exp_epilogue
             and class_weight is None and components <= 1 and weight is not None and not wide_dw
             and shard.group is None):
         chunk_rows, tile_cols = vocab_tiling(n_rows, shard.size, per_logit, row_bytes, chunk_rows,
@@ -211,7 +226,7 @@ def make_plan(
         backend=backend,
         shard=shard,
         needs=needs,
-        transform=opts.transform.without_model_part() if head.transformed else opts.transform,
+        transform=transform,
         terms=terms,
         grad_terms=grad_terms if grad_terms is not None else terms,
         need_argmax=need_argmax,
@@ -219,6 +234,7 @@ def make_plan(
         chunk_rows=chunk_rows,
         tile_cols=tile_cols,
         stats_in_matmul=stats_in_matmul,
+        exp_epilogue=exp_epilogue,
         kept_logits=kept_logits,
         matmul_dtype=matmul_dtype,
         logits_dtype=logits_dtype,

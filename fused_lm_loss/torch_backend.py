@@ -18,11 +18,55 @@ def supports_stats_in_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> bool
     return False
 
 
+def supports_exp_epilogue(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The exp epilogue is a GPU GEMM's (exp_epilogue.py); its PyTorch twin runs only where a test asks for it."""
+    return False
+
+
+def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, e_out: torch.Tensor):
+    """E and the row statistics of the Hopper path's logits GEMM (``exp_epilogue.exp_matmul_reference``)."""
+    from .exp_epilogue import exp_matmul_reference
+
+    return exp_matmul_reference(hidden, weight, target, e_out)
+
+
+def grad_from_exp(e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats, *,
+                  terms: LossTerms, grad_scale: float, row_scale: torch.Tensor | None) -> None:
+    """d(loss)/d(logits) from the epilogue's E (kernels/grad_from_exp.py)."""
+    from .exp_epilogue import LOG2E
+
+    rows, vocab = e.shape
+    factor = torch.exp2(stats.k - (lse * LOG2E)[:, None])  # per (row, tile)
+    p = (e.float().view(rows, -1, stats.tile_n) * factor[:, :, None]).view(rows, vocab)
+    grad = p * (1.0 + 2.0 * terms.z_loss * lse)[:, None]
+    has = torch.nonzero(target >= 0).squeeze(1)
+    grad[has, target[has]] = torch.exp(stats.target_logit[has] - lse[has]) * (1.0 + 2.0 * terms.z_loss * lse[has]) - 1.0
+    grad *= grad_scale
+    if row_scale is not None:
+        grad *= row_scale[:, None]
+    out.copy_(grad)
+
+
 def matmul_partials(*args, **kwargs):
     raise NotImplementedError("the torch backend has no matmul with a statistics epilogue")
 
 
-merge_partials = matmul_partial_bytes_per_row = matmul_partials
+matmul_partial_bytes_per_row = matmul_partials
+
+
+def merge_partials(partial: torch.Tensor, *, terms: LossTerms, loss_out: torch.Tensor | None = None,
+                   lse_out: torch.Tensor | None = None, target: torch.Tensor | None = None):
+    """Merge (4, tiles, rows) partials (kernels/row_stats.py: max, sum-exp, target logit in tile 0's slot, logit
+    sum) into the four statistics, or into loss and lse (here only without class weights: the exp epilogue's)."""
+    m, s = partial[0], partial[1]
+    row_max = m.max(0).values
+    stats = (row_max, (s * torch.exp(m - row_max)).sum(0), partial[2, 0], partial[3].sum(0))
+    if loss_out is None:
+        return stats
+    assert terms.class_weight is None
+    loss, lse = loss_from_stats(*stats, terms)
+    loss_out.copy_(loss)
+    lse_out.copy_(lse)
 
 
 def select_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

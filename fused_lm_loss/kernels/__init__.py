@@ -5,7 +5,10 @@ kernels share are ``transform.py`` (the logit transform and its chain rule) and 
 merges).
 """
 from . import matmul_stats
+from ..exp_epilogue import exp_matmul
+from ..exp_epilogue import supported as supports_exp_epilogue
 from .divergence import divergence_rows
+from .grad_from_exp import grad_from_exp
 from .grad_logits import grad_logits, token_grad_logits
 from .matmul_stats import matmul_partials
 from .matmul_stats import partial_bytes_per_row as matmul_partial_bytes_per_row
@@ -17,7 +20,8 @@ from .token_stats import token_stats
 name = "triton"
 
 __all__ = [
-    "divergence_rows", "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats",
-    "merge_partials", "name", "row_losses", "row_stats", "select_rows", "supports_stats_in_matmul",
+    "divergence_rows", "exp_matmul", "grad_from_exp", "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats",
+    "merge_partials", "name", "row_losses", "row_stats", "select_rows", "supports_exp_epilogue",
+    "supports_stats_in_matmul",
     "token_grad_logits", "token_stats",
 ]

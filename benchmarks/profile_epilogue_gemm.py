@@ -1,0 +1,154 @@
+"""Issue 27's deciding kernel measurement: a logits GEMM whose epilogue writes E = exp(z - k) and the row statistics
+from the fp32 accumulator, against what the library runs today for the same chunk.
+
+    PYTHONPATH=$PYTHONPATH:<the packed CuTe DSL> python benchmarks/profile_epilogue_gemm.py [--shapes ...] [--rows 4096]
+
+The epilogue GEMM is Quack's (quack-kernels 0.6.5, ``quack.epilogue.scaled_exp.scaled_exp_target_epi``, NVIDIA CuTe
+DSL, sm90: warp-specialized, TMA stores overlapped with the next tile's MMAs), used as a library: per (row, tile of
+``tile_n`` columns) it stores E = bf16(2^(z log2e - k)) with k the tile's max in log2 units rounded to an integer,
+the tile's sum of E and k, and each row's target logit from the accumulator. Per shape and chunk rows M (the plan's
+own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), medians of ``do_bench``:
+
+  cuBLAS        h @ W.T into a bf16 chunk (the library's logits step)
+  stats         backend.row_losses on that chunk (loss, lse): cuBLAS + stats is today's forward part of a chunk
+  epilogue      the E-storing epilogue GEMM (its first call, the JIT compile, is outside the timing)
+  grad          backend.grad_logits on the chunk: the pass both designs keep (G from E reads and writes as much)
+
+and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
+bf16 logits) and of G, the bf16 operand of both backward GEMMs: from E (the per-(row, tile) factor 2^k e^-lse and the
+one-hot term in fp32, rounded once) against from bf16 logits (today). Without CUDA or Quack it says so and stops.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+
+import torch
+
+from common import DEVICE, SHAPES, bench, default_shapes, inputs, plan_for, tflops
+
+sys.path.insert(0, os.path.dirname(__file__))
+import peers  # noqa: E402  (its import shim is not needed for quack.epilogue.scaled_exp)
+
+
+def pick_tile_n(vocab: int) -> int | None:
+    """The epilogue's tile width: it must divide V (one k per whole tile); as Quack picks it."""
+    return next((t for t in (192, 256, 128, 64) if vocab % t == 0), None)
+
+
+def epilogue_gemm(x, w, target, tile_n):
+    """A closure running the epilogue GEMM on (x, w) and the outputs it writes."""
+    from quack.epilogue.scaled_exp import scaled_exp_target_epi
+
+    m, v = x.shape[0], w.shape[0]
+    out = dict(
+        E=torch.empty(m, v, device=x.device, dtype=x.dtype),
+        sum_exp=torch.empty(m, v // tile_n, device=x.device, dtype=torch.float32),
+        k=torch.empty(m, v // tile_n, device=x.device, dtype=torch.float32),
+        target_logit=torch.empty(m, device=x.device, dtype=torch.float32),
+    )
+
+    def run():
+        scaled_exp_target_epi.gemm(
+            x, w, out["E"],
+            epi_args=dict(max_log2=tile_n, sum_exp=out["sum_exp"], max_log2_out=out["k"], target=target,
+                          target_logit=out["target_logit"]),
+            tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,
+        )
+
+    return run, out
+
+
+def accuracy(x, w, target, logits, lse_today, out, tile_n):
+    """Relative L2 errors of lse and G (bf16) against float64: (lse epilogue, lse today, G from E, G today)."""
+    kept = target >= 0
+    z64 = x.double() @ w.double().T
+    lse64 = torch.logsumexp(z64, 1)
+    onehot = torch.zeros_like(z64)
+    onehot[kept.nonzero().squeeze(1), target[kept]] = 1.0
+    g64 = torch.exp(z64 - lse64[:, None]) - onehot
+    del z64
+    k, s = out["k"], out["sum_exp"]
+    k_row = k.max(1).values
+    lse_epi = (k_row + torch.log2((s * torch.exp2(k - k_row[:, None])).sum(1))) * math.log(2.0)
+    factor = torch.exp2(k - (lse_epi / math.log(2.0))[:, None])  # per (row, tile): E * factor = p
+    p = (out["E"].float().view(x.shape[0], -1, tile_n) * factor[:, :, None]).view(x.shape[0], -1)
+    g_epi = (p - onehot.float()).to(torch.bfloat16)
+    g_today = (torch.softmax(logits.float(), 1) - onehot.float()).to(torch.bfloat16)
+
+    def rel(a, b):
+        a, b = a[kept].double(), b[kept]
+        return ((a - b).norm() / b.norm()).item()
+
+    return rel(lse_epi, lse64), rel(lse_today, lse64), rel(g_epi, g64), rel(g_today, g64)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=None, help=f"of {','.join(SHAPES)}")
+    parser.add_argument("--rows", default="4096", help="chunk rows to time besides the plan's")
+    args = parser.parse_args()
+    if DEVICE != "cuda":
+        print("needs CUDA (an sm90 GPU) and quack-kernels")
+        return
+    try:
+        importlib.import_module("quack.epilogue.scaled_exp")
+    except Exception as e:  # noqa: BLE001 - report and stop
+        print(f"quack unavailable: {type(e).__name__}: {str(e)[:300]}")
+        return
+    print(f"quack-kernels {peers.version('quack-kernels')} · nvidia-cutlass-dsl {peers.version('nvidia-cutlass-dsl')}"
+          f" · torch {torch.__version__} · {torch.cuda.get_device_name()}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | epilogue ms (TF/s) | "
+              "epilogue / (cuBLAS + stats) | grad ms |")
+    table = [header, "|---" * 9 + "|"]
+    errors = ["| shape | M | lse err: epilogue | lse err: today | G err: from E | G err: today (bf16 logits) |",
+              "|---|---|---|---|---|---|"]
+    for name in default_shapes(args.shapes):
+        x, w, y = inputs(name, 0.1)
+        plan, head, rows = plan_for(x, w, y, "train")
+        _, h, v = SHAPES[name]
+        tile_n = pick_tile_n(v)
+        for i, m in enumerate([plan.chunk_rows] + [int(r) for r in args.rows.split(",") if r]):
+            m = min(-(-m // 128) * 128, rows.count // 128 * 128)
+            xs, target = rows.gather(x, 0, m), rows.target[:m].contiguous()
+            logits = torch.empty(m, v, device=DEVICE, dtype=x.dtype)
+            loss, lse = (torch.empty(m, device=DEVICE, dtype=torch.float32) for _ in range(2))
+            grad = torch.empty_like(logits)
+            kwargs = dict(transform=plan.transform, terms=plan.terms)
+            t_mm = bench(lambda: torch.mm(xs, w.t(), out=logits))
+            t_stats = bench(lambda: plan.backend.row_losses(logits, target, loss, lse, **kwargs))
+            t_grad = bench(lambda: plan.backend.grad_logits(logits, grad, target, lse, grad_scale=plan.grad_scale,
+                                                            row_scale=None, transform=plan.transform,
+                                                            terms=plan.grad_terms))
+            row = [name, str(m), str(tile_n), f"{t_mm:.3f} ({tflops(2 * m * h * v, t_mm):.0f})", f"{t_stats:.3f}",
+                   f"{t_mm + t_stats:.3f}"]
+            try:
+                run, out = epilogue_gemm(xs, w, target, tile_n)
+                run()  # the JIT compile
+                torch.cuda.synchronize()
+                t_epi = bench(run)
+                row += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_epi / (t_mm + t_stats):.3f}"]
+                if i == 0:
+                    errs = accuracy(xs, w, target, logits, lse, out, tile_n)
+                    errors.append(f"| {name} | {m} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+                del out, run
+            except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
+                row += [f"failed: {type(e).__name__}: {str(e)[:120]}", ""]
+            row.append(f"{t_grad:.3f}")
+            table.append("| " + " | ".join(row) + " |")
+            print(table[-1], flush=True)
+            logits = grad = None
+            torch.cuda.empty_cache()
+        x = w = y = None
+        torch.cuda.empty_cache()
+    print("\n".join(table))
+    print()
+    print("\n".join(errors))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The Hopper path: the logits GEMM's epilogue stores E = exp(z - k) and the row statistics from the fp32 accumulator.
+
+Today's chunk rounds every logit to bf16 (the cuBLAS output), reads the chunk back for the softmax statistics and
+again for the gradient, so G carries the rounding of z (relative error ~6e-3 against float64 on realistic
+logits). On sm90 with the optional extra ``fused-lm-loss[hopper]`` (quack-kernels, NVIDIA CuTe DSL) the logits
+GEMM of a training chunk instead writes, per row i and tile t of ``tile_n`` columns::
+
+    k_it = round(log2e * max_{j in t} z_ij)         an integer: 2^k rescales E exactly
+    E_ij = bf16(2^(log2e z_ij - k_it))              in place of the logits chunk (same bytes)
+    s_it = sum_{j in t} 2^(log2e z_ij - k_it)       fp32
+    z_i,target                                      fp32, the accumulator's own value
+
+so that lse_i = ln2 k_it* + log(sum_t s_it 2^(k_it - k_it*)) (``partials``: the library's (max, sum-exp, target
+logit) partials with max = ln2 k, merged by ``merge_partials``) and p_ij = E_ij 2^(k_it - log2e lse_i): the
+gradient pass (``grad_from_exp``) forms G from E with one more rounding, the target column from z_i,target in
+fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md, session 14): G 10x closer to float64
+(6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this epilogue 0.74-0.97x the time of cuBLAS +
+the statistics pass at the library's chunks (1.06x at a 7296-row chunk at H = 4096).
+
+The plan takes this path (``plan.exp_epilogue``) for a training step of the plain loss: no bias, softcap, logit
+scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16
+operands, a vocabulary that a tile width divides; everything else keeps cuBLAS + ``row_stats``. On CPU (tests) the
+same algorithm runs in PyTorch (``exp_matmul_reference``).
+
+Buffers: E (chunk rows, V) bf16 in the logits chunk's place; k and s (chunk rows, V / tile_n) fp32; the target
+logit (chunk rows,) fp32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+TILE_WIDTHS = (192, 256, 128, 64)  # the epilogue's column tiles, widest first that divide V (192: best at Llama's V)
+QUACK_VERSION = "0.6.5"  # the pinned, tested versions of the [hopper] extra
+CUTLASS_DSL_VERSION = "4.8.1"
+
+
+@dataclass
+class ExpStats:
+    """What the epilogue writes besides E, for one chunk: k and s (rows, tiles) fp32, the target logit (rows,)."""
+
+    k: torch.Tensor
+    sum_exp: torch.Tensor
+    target_logit: torch.Tensor
+    tile_n: int
+
+    def partials(self) -> torch.Tensor:
+        """As the library's (4, tiles, rows) partials (max = ln2 k, sum-exp, target logit in tile 0's slot, no logit
+        sum), for ``merge_partials``."""
+        rows, tiles = self.k.shape
+        partial = torch.zeros((4, tiles, rows), dtype=torch.float32, device=self.k.device)
+        partial[0].copy_(self.k.t())
+        partial[0] *= LN2
+        partial[1].copy_(self.sum_exp.t())
+        partial[2, 0].copy_(self.target_logit)
+        return partial
+
+
+def tile_width(vocab: int) -> int | None:
+    return next((t for t in TILE_WIDTHS if vocab % t == 0), None)
+
+
+def bytes_per_row(vocab: int) -> int:
+    """The epilogue's fp32 outputs per chunk row besides E (k, s, the target logit) and their partials' copy."""
+    tiles = vocab // (tile_width(vocab) or 1)
+    return 4 * (2 * tiles + 1) + 16 * tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _quack_epilogue():
+    """Quack's E-storing GEMM epilogue, or None where quack-kernels / the CuTe DSL do not import."""
+    try:
+        from quack.epilogue.scaled_exp import scaled_exp_target_epi
+    except Exception:  # noqa: BLE001 - any import failure: the extra is not (usably) installed
+        return None
+    return scaled_exp_target_epi
+
+
+def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GPU path can serve these operands: sm90, bf16, contiguous rows, the [hopper] extra installed."""
+    return (
+        hidden.is_cuda and weight.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(hidden.device) == (9, 0)
+        and weight.is_contiguous() and hidden.shape[1] % 8 == 0 and tile_width(weight.shape[0]) is not None
+        and _quack_epilogue() is not None
+    )
+
+
+def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, e_out: torch.Tensor) -> ExpStats:
+    """E of ``hidden @ weight.T`` into ``e_out`` (rows, V) and the chunk's ExpStats, on the GPU (CuTe DSL)."""
+    rows, vocab = e_out.shape
+    tile_n = tile_width(vocab)
+    stats = _empty_stats(rows, vocab, tile_n, hidden.device)
+    _quack_epilogue().gemm(
+        hidden.contiguous(), weight, e_out,
+        epi_args=dict(max_log2=tile_n, sum_exp=stats.sum_exp, max_log2_out=stats.k, target=target,
+                      target_logit=stats.target_logit),
+        tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,  # as Quack runs it
+    )
+    return stats
+
+
+def exp_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         e_out: torch.Tensor) -> ExpStats:
+    """The same outputs in PyTorch (CPU tests): z in fp32 from the bf16 / fp16 operands, as the tensor cores form it."""
+    rows, vocab = e_out.shape
+    tile_n = tile_width(vocab)
+    stats = _empty_stats(rows, vocab, tile_n, hidden.device)
+    z = (hidden.float() @ weight.float().t()).view(rows, -1, tile_n)
+    stats.k.copy_(torch.round(z.amax(2) * LOG2E))
+    e = torch.exp2(z * LOG2E - stats.k[:, :, None])
+    stats.sum_exp.copy_(e.sum(2))
+    e_out.copy_(e.view(rows, vocab))
+    stats.target_logit.copy_(z.view(rows, vocab).gather(1, target.clamp(min=0)[:, None]).squeeze(1))
+    return stats
+
+
+def _empty_stats(rows: int, vocab: int, tile_n: int, device: torch.device) -> ExpStats:
+    tiles = vocab // tile_n
+    return ExpStats(
+        k=torch.empty((rows, tiles), dtype=torch.float32, device=device),
+        sum_exp=torch.empty((rows, tiles), dtype=torch.float32, device=device),
+        target_logit=torch.empty(rows, dtype=torch.float32, device=device),
+        tile_n=tile_n,
+    )

@@ -1,0 +1,139 @@
+"""The Hopper path (exp_epilogue.py, ``plan.exp_epilogue``): the logits GEMM's epilogue writes E = exp(z - k) per
+(row, tile), the statistics and the target logit from the fp32 accumulator; loss and gradients come from those.
+
+On CPU the epilogue's PyTorch twin stands in for the GPU GEMM (the ``served`` fixture tells the plan that the
+GEMM serves); on an sm90 GPU with the [hopper] extra the CuTe DSL GEMM itself runs (``test_the_gpu_gemm``). Against
+float64 on fresh data, for every option the path serves: the loss to fp32 round-off and the gradients closer than
+the bf16-logits path's; what it does not serve keeps that path.
+"""
+import pytest
+import torch
+
+import fused_lm_loss.exp_epilogue as exp_epilogue
+import fused_lm_loss.torch_backend as torch_backend
+from fused_lm_loss import FusedLMLoss
+
+from .conftest import TEST_DEVICE
+from .reference import make_inputs, reference_loss, rel_err
+
+
+class Served:
+    """Says whether the active backend's epilogue GEMM serves (``serve``) and counts its calls. Off the GPU path
+    the epilogue's PyTorch twin stands in for the CuTe DSL GEMM."""
+
+    def __init__(self, monkeypatch, backend_name):
+        if backend_name == "torch":
+            module = torch_backend
+        else:
+            import fused_lm_loss.kernels as module
+        self.monkeypatch, self.module, self.calls = monkeypatch, module, 0
+        self.gpu = module is not torch_backend and TEST_DEVICE != "cpu"
+        self.supports = module.supports_exp_epilogue if self.gpu else (lambda hidden, weight: True)
+        gemm = module.exp_matmul if self.gpu else exp_epilogue.exp_matmul_reference
+
+        def counted(*args):
+            self.calls += 1
+            return gemm(*args)
+
+        monkeypatch.setattr(module, "exp_matmul", counted)
+        self.serve(True)
+
+    def serve(self, on: bool) -> None:
+        self.monkeypatch.setattr(self.module, "supports_exp_epilogue", self.supports if on else lambda h, w: False)
+
+
+@pytest.fixture
+def served(monkeypatch, backend):
+    served = Served(monkeypatch, backend)
+    probe = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(384, 64, dtype=torch.bfloat16)
+    if not served.supports(*probe):
+        pytest.skip("no sm90 GPU with quack-kernels / the CuTe DSL here")
+    return served
+
+
+def run(hidden, weight, labels, *, scaling=None, frozen=False, **options):
+    """Loss, dX, dW (None when frozen) of the fused loss on leaf copies."""
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(not frozen)
+    loss = FusedLMLoss(**options)(h, w, labels, scaling=scaling)
+    grad_output = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape) if loss.dim() else None
+    loss.backward(grad_output)
+    return loss.detach(), h.grad, None if frozen else w.grad, grad_output
+
+
+@pytest.mark.parametrize("vocab", [384, 640])  # 2 tiles of 192, 5 of 128
+@pytest.mark.parametrize("reduction, z_loss, scaling, chunk_size, frozen", [
+    ("mean", 0.0, None, None, False),
+    ("sum", 1e-3, 3.0, 7, False),  # several chunks, the last one ragged
+    ("mean", 1e-3, None, 5, True),  # a frozen head: dX only
+])
+def test_against_float64(served, vocab, reduction, z_loss, scaling, chunk_size, frozen):
+    hidden, weight, labels, _ = make_inputs(37, 64, vocab, dtype=torch.bfloat16, logit_std=4.0)
+    options = dict(reduction=reduction, z_loss=z_loss, chunk_size=chunk_size)
+    loss, dx, dw, grad_output = run(hidden, weight, labels, scaling=scaling, frozen=frozen, **options)
+    assert served.calls >= 1
+    calls = served.calls
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(not frozen)
+    want, grads = reference_loss(h64, w64, labels, reduction=reduction, z_loss=z_loss, grad_output=grad_output)
+    assert rel_err(loss, want) < 2e-6
+    served.serve(False)  # the bf16-logits path on the same inputs, for comparison
+    base_loss, base_dx, base_dw, _ = run(hidden, weight, labels, scaling=scaling, frozen=frozen, **options)
+    assert served.calls == calls
+    assert rel_err(base_loss, want) > 4 * rel_err(loss, want)
+    assert rel_err(dx, grads["hidden"]) < 0.6 * rel_err(base_dx, grads["hidden"])
+    if not frozen:
+        assert rel_err(dw, grads["weight"]) < 0.6 * rel_err(base_dw, grads["weight"])
+
+
+@pytest.mark.parametrize("options", [
+    dict(softcap=30.0), dict(logit_scale=0.5), dict(temperature=2.0), dict(label_smoothing=0.1),
+    dict(return_token_accuracy=True), "class_weight", "bias", dict(logits_dtype=torch.float32),
+    dict(reduction="none"),
+], ids=str)
+def test_what_the_epilogue_does_not_serve_keeps_the_logits(served, options):
+    """Options the epilogue does not apply (a transform, sums over the logits, the top-1, a bias, fp32 logits) leave
+    the plan on the cuBLAS + statistics path: the epilogue never runs. Nor for reduction="none", whose forward (no
+    gradients) takes the lse from the rounded logits that its backward's recompute must then agree with."""
+    hidden, weight, labels, bias = make_inputs(19, 64, 384, dtype=torch.bfloat16, bias=options == "bias")
+    if options == "class_weight":
+        options = dict(class_weight=torch.rand(384) + 0.5)
+    elif options == "bias":
+        options = {}
+    h = hidden.clone().requires_grad_(True)
+    out = FusedLMLoss(**options)(h, weight, labels, bias=bias) if bias is not None else FusedLMLoss(**options)(
+        h, weight, labels)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert served.calls == 0
+
+
+def test_the_exp_statistics_twin_against_float64():
+    """exp_matmul_reference: E * 2^k is exp(z), the sums are E's, k an integer per tile, the target logit z's."""
+    hidden, weight, labels, _ = make_inputs(9, 16, 640, dtype=torch.bfloat16, ignore_frac=0.0)
+    target = labels.clone()
+    e = torch.empty(9, 640, dtype=torch.bfloat16)
+    stats = exp_epilogue.exp_matmul_reference(hidden, weight, target, e)
+    z = hidden.double() @ weight.double().T
+    tile = stats.tile_n
+    assert tile == 128 and stats.k.shape == (9, 5)
+    assert torch.equal(stats.k, stats.k.round())
+    scale = torch.exp2(stats.k.double()).repeat_interleave(tile, 1)
+    assert rel_err(e.double() * scale, torch.exp(z)) < 4e-3  # E rounded once to bf16
+    assert rel_err(stats.sum_exp.double(), (torch.exp(z) / scale).view(9, 5, tile).sum(2)) < 1e-6
+    assert rel_err(stats.target_logit, z.gather(1, target[:, None]).squeeze(1)) < 1e-6
+    lse = torch.logsumexp(stats.partials()[0].t().double() + torch.log(stats.partials()[1].t().double()), 1)
+    assert rel_err(lse, torch.logsumexp(z, 1)) < 1e-6
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the CuTe DSL GEMM needs an sm90 GPU")
+def test_the_gpu_gemm():
+    """On an sm90 GPU with the [hopper] extra: the plan takes the epilogue GEMM, the ragged row count included, and
+    its outputs equal the PyTorch twin's to the GEMM's fp32 accumulation order."""
+    hidden, weight, labels, _ = make_inputs(1000, 256, 4096, dtype=torch.bfloat16, ignore_frac=0.0)
+    if not exp_epilogue.supported(hidden, weight):
+        pytest.skip("no sm90 GPU with quack-kernels / the CuTe DSL here")
+    e, e_ref = torch.empty(1000, 4096, dtype=torch.bfloat16), torch.empty(1000, 4096, dtype=torch.bfloat16)
+    stats = exp_epilogue.exp_matmul(hidden, weight, labels, e)
+    ref = exp_epilogue.exp_matmul_reference(hidden, weight, labels, e_ref)
+    assert torch.equal(stats.k, ref.k)  # integers: a difference would be a max differing across a rounding tie
+    assert rel_err(e, e_ref) < 8e-3 and rel_err(stats.sum_exp, ref.sum_exp) < 1e-5
+    assert rel_err(stats.target_logit, ref.target_logit) < 1e-5
