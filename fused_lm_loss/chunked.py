@@ -177,9 +177,8 @@ class LossStep:
         self.exp_stats = None  # the chunk's exp_epilogue.ExpStats on the Hopper path (plan.exp_epilogue)
 
     def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
-        if self.compute and self.exp_stats is not None:  # E is not the logits: merge the epilogue's partials
-            self.plan.backend.merge_partials(self.exp_stats.partials(), terms=self.plan.terms,
-                                             loss_out=self.loss[start:end], lse_out=self.lse[start:end])
+        if self.compute and self.exp_stats is not None:  # E is not the logits: the epilogue's statistics
+            self.loss[start:end], self.lse[start:end] = loss_from_stats(*self.exp_stats.row_stats(), self.plan.terms)
         elif self.compute:
             _chunk_losses(self.plan, logits, target, self.loss[start:end], self.lse[start:end])
         if self.argmax is not None:  # token accuracy: a second read of the chunk, only when asked for

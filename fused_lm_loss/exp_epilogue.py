@@ -10,8 +10,8 @@ GEMM of a training chunk instead writes, per row i and tile t of ``tile_n`` colu
     s_it = sum_{j in t} 2^(log2e z_ij - k_it)       fp32
     z_i,target                                      fp32, the accumulator's own value
 
-so that lse_i = ln2 k_it* + log(sum_t s_it 2^(k_it - k_it*)) (``partials``: the library's (max, sum-exp, target
-logit) partials with max = ln2 k, merged by ``merge_partials``) and p_ij = E_ij 2^(k_it - log2e lse_i): the
+so that lse_i = ln2 k_i* + log(sum_t s_it 2^(k_it - k_i*)) with k_i* = max_t k_it (``ExpStats.row_stats``) and
+p_ij = E_ij 2^(k_it - log2e lse_i): the
 gradient pass (``grad_from_exp``) forms G from E with one more rounding, the target column from z_i,target in
 fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md, session 14): G 10x closer to float64
 (6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this epilogue 0.74-0.97x the time of cuBLAS +
@@ -49,16 +49,12 @@ class ExpStats:
     target_logit: torch.Tensor
     tile_n: int
 
-    def partials(self) -> torch.Tensor:
-        """As the library's (4, tiles, rows) partials (max = ln2 k, sum-exp, target logit in tile 0's slot, no logit
-        sum), for ``merge_partials``."""
-        rows, tiles = self.k.shape
-        partial = torch.zeros((4, tiles, rows), dtype=torch.float32, device=self.k.device)
-        partial[0].copy_(self.k.t())
-        partial[0] *= LN2
-        partial[1].copy_(self.sum_exp.t())
-        partial[2, 0].copy_(self.target_logit)
-        return partial
+    def row_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(max, sum-exp, target logit, logit sum = 0) per row, as ``loss_terms.loss_from_stats`` takes them: the
+        tiles merged at the largest k (every other tile's sum rescaled by an exact power of two)."""
+        k_max = self.k.amax(1)
+        sum_exp = (self.sum_exp * torch.exp2(self.k - k_max[:, None])).sum(1)
+        return k_max * LN2, sum_exp, self.target_logit, torch.zeros_like(k_max)
 
 
 def tile_width(vocab: int) -> int | None:
@@ -66,9 +62,9 @@ def tile_width(vocab: int) -> int | None:
 
 
 def bytes_per_row(vocab: int) -> int:
-    """The epilogue's fp32 outputs per chunk row besides E (k, s, the target logit) and their partials' copy."""
+    """The epilogue's fp32 outputs per chunk row besides E (k, s, the target logit) and the merge's temporary."""
     tiles = vocab // (tile_width(vocab) or 1)
-    return 4 * (2 * tiles + 1) + 16 * tiles
+    return 4 * (3 * tiles + 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +82,7 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         hidden.is_cuda and weight.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(hidden.device) == (9, 0)
-        and weight.is_contiguous() and hidden.shape[1] % 8 == 0 and tile_width(weight.shape[0]) is not None
+        and weight.is_contiguous() and weight.data_ptr() % 32 == 0 and hidden.shape[1] % 8 == 0 and tile_width(weight.shape[0]) is not None
         and _quack_epilogue() is not None
     )
 
@@ -97,12 +93,18 @@ def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     tile_n = tile_width(vocab)
     stats = _empty_stats(rows, vocab, tile_n, hidden.device)
     _quack_epilogue().gemm(
-        hidden.contiguous(), weight, e_out,
-        epi_args=dict(max_log2=tile_n, sum_exp=stats.sum_exp, max_log2_out=stats.k, target=target,
+        _aligned(hidden), weight, e_out,
+        epi_args=dict(max_log2=tile_n, sum_exp=stats.sum_exp, max_log2_out=stats.k, target=_aligned(target),
                       target_logit=stats.target_logit),
         tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,  # as Quack runs it
     )
     return stats
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its data is not 32-byte aligned (the GEMM's operands and vectors must be:
+    a chunk's slice of the rows or labels starts anywhere)."""
+    return t if t.is_contiguous() and t.data_ptr() % 32 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def exp_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -51,22 +51,7 @@ def matmul_partials(*args, **kwargs):
     raise NotImplementedError("the torch backend has no matmul with a statistics epilogue")
 
 
-matmul_partial_bytes_per_row = matmul_partials
-
-
-def merge_partials(partial: torch.Tensor, *, terms: LossTerms, loss_out: torch.Tensor | None = None,
-                   lse_out: torch.Tensor | None = None, target: torch.Tensor | None = None):
-    """Merge (4, tiles, rows) partials (kernels/row_stats.py: max, sum-exp, target logit in tile 0's slot, logit
-    sum) into the four statistics, or into loss and lse (here only without class weights: the exp epilogue's)."""
-    m, s = partial[0], partial[1]
-    row_max = m.max(0).values
-    stats = (row_max, (s * torch.exp(m - row_max)).sum(0), partial[2, 0], partial[3].sum(0))
-    if loss_out is None:
-        return stats
-    assert terms.class_weight is None
-    loss, lse = loss_from_stats(*stats, terms)
-    loss_out.copy_(loss)
-    lse_out.copy_(lse)
+merge_partials = matmul_partial_bytes_per_row = matmul_partials
 
 
 def select_rows(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
