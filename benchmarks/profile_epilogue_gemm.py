@@ -2,6 +2,7 @@
 from the fp32 accumulator, against what the library runs today for the same chunk.
 
     PYTHONPATH=$PYTHONPATH:<the packed CuTe DSL> python benchmarks/profile_epilogue_gemm.py [--shapes ...] [--rows 4096]
+        [--configs auto,128/p/2x1,192/c/1x2]   # tile_n / pingpong (p) or cooperative (c) / cluster M x N
 
 The epilogue GEMM is Quack's (quack-kernels 0.6.5, ``quack.epilogue.scaled_exp.scaled_exp_target_epi``, NVIDIA CuTe
 DSL, sm90: warp-specialized, TMA stores overlapped with the next tile's MMAs), used as a library: per (row, tile of
@@ -11,7 +12,8 @@ own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), 
 
   cuBLAS        h @ W.T into a bf16 chunk (the library's logits step)
   stats         backend.row_losses on that chunk (loss, lse): cuBLAS + stats is today's forward part of a chunk
-  epilogue      the E-storing epilogue GEMM (its first call, the JIT compile, is outside the timing)
+  epilogue      the E-storing epilogue GEMM (its first call, the JIT compile, is outside the timing), in each of
+                ``--configs`` ("auto": the library's, exp_epilogue.exp_matmul; others where their tile_n divides V)
   grad          backend.grad_logits on the chunk: the pass both designs keep (G from E reads and writes as much)
 
 and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
@@ -39,8 +41,9 @@ def pick_tile_n(vocab: int) -> int | None:
     return next((t for t in (192, 256, 128, 64) if vocab % t == 0), None)
 
 
-def epilogue_gemm(x, w, target, tile_n):
-    """A closure running the epilogue GEMM on (x, w) and the outputs it writes."""
+def epilogue_gemm(x, w, target, tile_n, pingpong=None, cluster=(2, 1)):
+    """A closure running the epilogue GEMM on (x, w) and the outputs it writes (the library's launch settings
+    unless given)."""
     from quack.epilogue.scaled_exp import scaled_exp_target_epi
 
     m, v = x.shape[0], w.shape[0]
@@ -56,7 +59,8 @@ def epilogue_gemm(x, w, target, tile_n):
             x, w, out["E"],
             epi_args=dict(max_log2=tile_n, sum_exp=out["sum_exp"], max_log2_out=out["k"], target=target,
                           target_logit=out["target_logit"]),
-            tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,
+            tile_M=128, tile_N=tile_n, cluster_M=cluster[0], cluster_N=cluster[1],
+            pingpong=tile_n <= 208 if pingpong is None else pingpong,
         )
 
     return run, out
@@ -90,6 +94,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help=f"of {','.join(SHAPES)}")
     parser.add_argument("--rows", default="4096", help="chunk rows to time besides the plan's")
+    parser.add_argument("--configs", default="auto", help="epilogue launch settings: auto, or tile_n/p|c/MxN")
     args = parser.parse_args()
     if DEVICE != "cuda":
         print("needs CUDA (an sm90 GPU) and quack-kernels")
@@ -102,9 +107,9 @@ def main():
     print(f"quack-kernels {peers.version('quack-kernels')} · nvidia-cutlass-dsl {peers.version('nvidia-cutlass-dsl')}"
           f" · torch {torch.__version__} · {torch.cuda.get_device_name()}")
     torch.backends.cuda.matmul.allow_tf32 = False
-    header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | epilogue ms (TF/s) | "
+    header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | config | epilogue ms (TF/s) | "
               "epilogue / (cuBLAS + stats) | grad ms |")
-    table = [header, "|---" * 9 + "|"]
+    table = [header, "|---" * 10 + "|"]
     errors = ["| shape | M | lse err: epilogue | lse err: today | G err: from E | G err: today (bf16 logits) |",
               "|---|---|---|---|---|---|"]
     for name in default_shapes(args.shapes):
@@ -126,21 +131,29 @@ def main():
                                                             terms=plan.grad_terms))
             row = [name, str(m), str(tile_n), f"{t_mm:.3f} ({tflops(2 * m * h * v, t_mm):.0f})", f"{t_stats:.3f}",
                    f"{t_mm + t_stats:.3f}"]
-            try:
-                run, out = epilogue_gemm(xs, w, target, tile_n)
-                run()  # the JIT compile
-                torch.cuda.synchronize()
-                t_epi = bench(run)
-                row += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_epi / (t_mm + t_stats):.3f}"]
-                if i == 0:
-                    errs = accuracy(xs, w, target, logits, lse, out, tile_n)
-                    errors.append(f"| {name} | {m} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-                del out, run
-            except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
-                row += [f"failed: {type(e).__name__}: {str(e)[:120]}", ""]
-            row.append(f"{t_grad:.3f}")
-            table.append("| " + " | ".join(row) + " |")
-            print(table[-1], flush=True)
+            for config in args.configs.split(","):
+                if config == "auto":
+                    tn, pingpong, cluster = tile_n, None, (2, 1)
+                else:
+                    tn, mode, mn = config.split("/")
+                    tn, pingpong, cluster = int(tn), mode == "p", tuple(int(c) for c in mn.split("x"))
+                    if v % tn:
+                        continue
+                cells = row + [config]
+                try:
+                    run, out = epilogue_gemm(xs, w, target, tn, pingpong, cluster)
+                    run()  # the JIT compile
+                    torch.cuda.synchronize()
+                    t_epi = bench(run)
+                    cells += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_epi / (t_mm + t_stats):.3f}"]
+                    if i == 0 and config == "auto":
+                        errs = accuracy(xs, w, target, logits, lse, out, tn)
+                        errors.append(f"| {name} | {m} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+                    out = run = None
+                except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
+                    cells += [f"failed: {type(e).__name__}: {str(e)[:120]}", ""]
+                table.append("| " + " | ".join(cells + [f"{t_grad:.3f}"]) + " |")
+                print(table[-1], flush=True)
             logits = grad = None
             torch.cuda.empty_cache()
         x = w = y = None

@@ -28,7 +28,9 @@ logit (chunk rows,) fp32.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +71,22 @@ def bytes_per_row(vocab: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _quack_epilogue():
-    """Quack's E-storing GEMM epilogue, or None where quack-kernels / the CuTe DSL do not import."""
+    """Quack's E-storing GEMM epilogue, or None where quack-kernels / the CuTe DSL are missing or are not the
+    tested versions (said once, with a warning: the chunk loop then keeps cuBLAS + row_stats)."""
+    try:
+        installed = (importlib.metadata.version("quack-kernels"), importlib.metadata.version("nvidia-cutlass-dsl"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if installed != (QUACK_VERSION, CUTLASS_DSL_VERSION):
+        warnings.warn(f"fused_lm_loss: the Hopper path was tested with quack-kernels {QUACK_VERSION} and "
+                      f"nvidia-cutlass-dsl {CUTLASS_DSL_VERSION}, found {installed[0]} and {installed[1]}: not used "
+                      "(pip install 'fused-lm-loss[hopper]' installs the tested ones)", stacklevel=2)
+        return None
     try:
         from quack.epilogue.scaled_exp import scaled_exp_target_epi
-    except Exception:  # noqa: BLE001 - any import failure: the extra is not (usably) installed
+    except Exception as e:  # noqa: BLE001 - any import failure: the extra is not usable here
+        warnings.warn(f"fused_lm_loss: the Hopper path is not used: quack-kernels does not import "
+                      f"({type(e).__name__}: {str(e)[:200]})", stacklevel=2)
         return None
     return scaled_exp_target_epi
 
@@ -82,8 +96,8 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         hidden.is_cuda and weight.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(hidden.device) == (9, 0)
-        and weight.is_contiguous() and weight.data_ptr() % 32 == 0 and hidden.shape[1] % 8 == 0 and tile_width(weight.shape[0]) is not None
-        and _quack_epilogue() is not None
+        and weight.is_contiguous() and weight.data_ptr() % 32 == 0 and hidden.shape[1] % 8 == 0
+        and tile_width(weight.shape[0]) is not None and _quack_epilogue() is not None
     )
 
 

@@ -138,3 +138,26 @@ def test_the_gpu_gemm():
     assert torch.equal(stats.k, ref.k)  # integers: a difference would be a max differing across a rounding tie
     assert rel_err(e, e_ref) < 8e-3 and rel_err(stats.sum_exp, ref.sum_exp) < 1e-5
     assert rel_err(stats.target_logit, ref.target_logit) < 1e-5
+
+
+@pytest.mark.parametrize("found, says", [
+    ({"quack-kernels": "0.7.0", "nvidia-cutlass-dsl": "4.8.1"}, "tested with quack-kernels 0.6.5"),
+    ({"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.9.0"}, "found 0.6.5 and 4.9.0"),
+    ({"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}, "does not import"),  # (not installed here)
+])
+def test_untested_or_broken_quack_is_said_and_not_used(monkeypatch, found, says):
+    """Only the pinned versions of the [hopper] extra serve; any other, or one that does not import, is named in a
+    warning and the plan keeps cuBLAS + row_stats."""
+    import importlib.metadata
+    import sys
+
+    if "quack" in sys.modules:
+        pytest.skip("quack-kernels is imported in this process")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: found[name])
+    monkeypatch.setitem(sys.modules, "quack", None)  # an import of it fails, as where the DSL is broken
+    exp_epilogue._quack_epilogue.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=says):
+            assert exp_epilogue._quack_epilogue() is None
+    finally:
+        exp_epilogue._quack_epilogue.cache_clear()
