@@ -436,7 +436,7 @@ class LinearHead:
 
     def finish(self) -> tuple:
         # Free the chunk buffers first: with several chunks the dW result takes their memory (plan.py).
-        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = self.row_parts = None
+        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = self.row_parts = self.exp_stats = None
         plan = self.plan
         results = []
         for out in self.sets:  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)

@@ -41,7 +41,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 FLOATS = {"factor", "u_per_x", "cap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
-POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "target_ptr": "*i64",
+POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "e_ptr": "*bf16", "target_ptr": "*i64",
             "bias_ptr": "*fp16", "labels_ptr": "*i64", "positions_ptr": "*i64", "targets_ptr": "*i64",
             "summary_ptr": "*i64", "arg_ptr": "*i32"}
 DESCRIPTORS = {"h_desc": "tensordesc<fp16[128, 64]>", "w_desc": "tensordesc<fp16[256, 64]>"}
@@ -68,6 +68,7 @@ KERNELS = [
     ("grad_logits", "_grad_logits_kernel",
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, PER_ROW_SCALE=True, SPLIT=True, HAS_CLASS_WEIGHT=True,
           SMOOTH_WEIGHTS=True, BLOCK_V=2048)),
+    ("grad_from_exp", "_grad_from_exp_kernel", dict(TILE_N=128, PER_ROW_SCALE=True, BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, NEED_ARGMAX=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",
@@ -168,7 +169,7 @@ def test_kernels_compile_with_fp64_scalars_and_compute_in_fp32():
     if run.returncode != 0 or not lines:
         pytest.fail(f"the compile script failed:\n{run.stderr[-4000:]}")
     results = json.loads(lines[0][len("RESULTS "):])
-    assert len(results) == 14
+    assert len(results) == 15  # every kernel of the script's KERNELS
     for result in results:
         assert result["floats"], result  # the kernel has float scalars, and they were fp64
         assert result["error"] is None, result
