@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from .exp_epilogue import ExpStats
 from .loss_terms import LossTerms
 from .transform import LogitTransform
 
@@ -58,6 +59,19 @@ class Backend(Protocol):
                     out_lo: torch.Tensor | None = None) -> None:
         """d(loss)/d(logits) into ``out`` (may be ``logits`` itself), fp32 math, times ``grad_scale`` (and
         ``row_scale`` per row); with ``out_lo`` the rounding residual."""
+
+    def supports_exp_epilogue(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``exp_matmul`` can serve a training chunk on these operands (exp_epilogue.py: sm90, [hopper])."""
+
+    def exp_matmul(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                   e_out: torch.Tensor) -> ExpStats:
+        """E = exp(z - k) per (row, tile) of z = hidden @ weight.T into ``e_out``, and k, the tiles' sums of E and the
+        target logit (fp32), all from the GEMM's fp32 accumulator."""
+
+    def grad_from_exp(self, e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                      stats: ExpStats, *, terms: LossTerms, grad_scale: float,
+                      row_scale: torch.Tensor | None) -> None:
+        """d(loss)/d(logits) of the plain loss from ``exp_matmul``'s outputs into ``out`` (may be ``e`` itself)."""
 
     def supports_stats_in_matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``matmul_partials`` can give a no-grad forward its statistics without a logits chunk."""

@@ -178,8 +178,8 @@ def make_plan(
     # top-1 (token accuracy) of E's tiles is not z's. Not for a recompute (vocab_tiles): E must agree with the lse
     # the forward took, and that forward (no gradients) took it from logits rounded to the matmul dtype
     exp_epilogue = (
-        needs.any() and epilogue_stats and not vocab_tiles and components == 1 and kept_logits is None and operands is not None
-        and head.bias is None and shard.group is None and class_weight is None and not terms.smooths
+        needs.any() and epilogue_stats and not vocab_tiles and components == 1 and kept_logits is None
+        and operands is not None and head.bias is None and shard.group is None and class_weight is None and not terms.smooths
         and not transform.has_softcap and transform.factor == 1.0 and logits_dtype == matmul_dtype
         and not need_argmax and backend.supports_exp_epilogue(*operands)
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .exp_epilogue import LOG2E, ExpStats, exp_matmul_reference
 from .loss_terms import LossTerms, loss_from_stats
 from .transform import LogitTransform
 
@@ -23,24 +24,22 @@ def supports_exp_epilogue(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return False
 
 
-def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, e_out: torch.Tensor):
+def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, e_out: torch.Tensor) -> ExpStats:
     """E and the row statistics of the Hopper path's logits GEMM (``exp_epilogue.exp_matmul_reference``)."""
-    from .exp_epilogue import exp_matmul_reference
-
     return exp_matmul_reference(hidden, weight, target, e_out)
 
 
-def grad_from_exp(e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats, *,
+def grad_from_exp(e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats: ExpStats, *,
                   terms: LossTerms, grad_scale: float, row_scale: torch.Tensor | None) -> None:
-    """d(loss)/d(logits) from the epilogue's E (kernels/grad_from_exp.py)."""
-    from .exp_epilogue import LOG2E
-
+    """d(loss)/d(logits) from the epilogue's E (kernels/grad_from_exp.py): p = E 2^(k - log2e lse) per tile, the
+    target column's p from the fp32 target logit."""
     rows, vocab = e.shape
     factor = torch.exp2(stats.k - (lse * LOG2E)[:, None])  # per (row, tile)
     p = (e.float().view(rows, -1, stats.tile_n) * factor[:, :, None]).view(rows, vocab)
-    grad = p * (1.0 + 2.0 * terms.z_loss * lse)[:, None]
     has = torch.nonzero(target >= 0).squeeze(1)
-    grad[has, target[has]] = torch.exp(stats.target_logit[has] - lse[has]) * (1.0 + 2.0 * terms.z_loss * lse[has]) - 1.0
+    p[has, target[has]] = torch.exp(stats.target_logit[has] - lse[has])
+    grad = p * (1.0 + 2.0 * terms.z_loss * lse)[:, None]
+    grad[has, target[has]] -= 1.0
     grad *= grad_scale
     if row_scale is not None:
         grad *= row_scale[:, None]

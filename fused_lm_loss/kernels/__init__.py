@@ -20,8 +20,7 @@ from .token_stats import token_stats
 name = "triton"
 
 __all__ = [
-    "divergence_rows", "exp_matmul", "grad_from_exp", "grad_logits", "matmul_partial_bytes_per_row", "matmul_partials", "matmul_stats",
-    "merge_partials", "name", "row_losses", "row_stats", "select_rows", "supports_exp_epilogue",
-    "supports_stats_in_matmul",
-    "token_grad_logits", "token_stats",
+    "divergence_rows", "exp_matmul", "grad_from_exp", "grad_logits", "matmul_partial_bytes_per_row",
+    "matmul_partials", "matmul_stats", "merge_partials", "name", "row_losses", "row_stats", "select_rows",
+    "supports_exp_epilogue", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
 ]
