@@ -58,8 +58,9 @@ class ExpStats:
         """(max, sum-exp, target logit, logit sum = 0) per row, as ``loss_terms.loss_from_stats`` takes them: the
         tiles merged at the largest k (every other tile's sum rescaled by an exact power of two)."""
         k_max = self.k.amax(1)
-        sum_exp = (self.sum_exp * torch.exp2(self.k - k_max[:, None])).sum(1)
-        return k_max * LN2, sum_exp, self.target_logit, torch.zeros_like(k_max)
+        rescaled = self.k - k_max[:, None]  # the one (rows, tiles) temporary that bytes_per_row counts
+        rescaled.exp2_().mul_(self.sum_exp)
+        return k_max * LN2, rescaled.sum(1), self.target_logit, torch.zeros_like(k_max)
 
 
 def tile_width(vocab: int) -> int | None:
