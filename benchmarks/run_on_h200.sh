@@ -25,7 +25,10 @@
 # Quack (the quack_* rows) needs NVIDIA's CuTe DSL, too large for one call: pack it with
 # `bash ../shared/device/pack_cute_dsl.sh .cute 4.8.1 0.6.5`, run `bash .cute/a/unpack.sh` in a call carrying
 # .cute/a, then, in the next call (the machine still warm) carrying .cute/b, pass the path that
-# `bash .cute/b/install.sh` prints as CUTE_PYTHONPATH.
+# `bash .cute/b/install.sh` prints as CUTE_PYTHONPATH. Session 14 also unzipped .cute/b/cuda_pathfinder-*.whl into
+# /tmp/cute-site after install.sh (`python3 -c "import zipfile, glob; zipfile.ZipFile(glob.glob(
+# '.cute/b/cuda_pathfinder*.whl')[0]).extractall('/tmp/cute-site')"`): a `pip install --target` of all the wheels
+# at once dropped cuda.pathfinder here (cuda-bindings shares its `cuda` folder), and cuda.bindings needs it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-bench_out}

@@ -11,11 +11,11 @@ GEMM of a training chunk instead writes, per row i and tile t of ``tile_n`` colu
     z_i,target                                      fp32, the accumulator's own value
 
 so that lse_i = ln2 k_i* + log(sum_t s_it 2^(k_it - k_i*)) with k_i* = max_t k_it (``ExpStats.row_stats``) and
-p_ij = E_ij 2^(k_it - log2e lse_i): the
-gradient pass (``grad_from_exp``) forms G from E with one more rounding, the target column from z_i,target in
-fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md, session 14): G 10x closer to float64
-(6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this epilogue 0.74-0.97x the time of cuBLAS +
-the statistics pass at the library's chunks (1.06x at a 7296-row chunk at H = 4096).
+p_ij = E_ij 2^(k_it - log2e lse_i): the gradient pass (``grad_from_exp``) forms G from E with one more rounding,
+the target column from z_i,target in fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md,
+session 14): G 10x closer to float64 (6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this
+epilogue 0.74-0.97x the time of cuBLAS + the statistics pass at the library's chunks (1.04-1.06x at a 7296-row
+chunk at H = 4096); the whole step about as fast as the default path, with dX / dW 2.4-2.9e-3 against 6.9-7.5e-3.
 
 The plan takes this path (``plan.exp_epilogue``) for a training step of the plain loss: no bias, softcap, logit
 scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16

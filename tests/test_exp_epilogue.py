@@ -85,6 +85,25 @@ def test_against_float64(served, vocab, reduction, z_loss, scaling, chunk_size, 
         assert rel_err(dw, grads["weight"]) < 0.6 * rel_err(base_dw, grads["weight"])
 
 
+def test_num_items_and_the_reported_z_loss(served):
+    """What reads the epilogue's statistics besides the loss: the mean over num_items_in_batch and the z-loss term
+    that return_z_loss reports, against float64."""
+    hidden, weight, labels, _ = make_inputs(29, 64, 640, dtype=torch.bfloat16, logit_std=4.0)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    out = FusedLMLoss(z_loss=1e-3, return_z_loss=True, chunk_size=11)(h, w, labels, num_items_in_batch=40)
+    out.loss.backward()
+    assert served.calls == 3
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want, grads = reference_loss(h64, w64, labels, z_loss=1e-3, num_items_in_batch=40)
+    z = hidden.double() @ weight.double().T
+    kept = labels != -100
+    lse = torch.logsumexp(z[kept], 1)
+    assert rel_err(out.loss, want) < 2e-6
+    assert rel_err(out.z_loss, 1e-3 * (lse * lse).sum() / 40) < 2e-6
+    assert rel_err(h.grad, grads["hidden"]) < 4e-3 and rel_err(w.grad, grads["weight"]) < 4e-3
+
+
 @pytest.mark.parametrize("options", [
     dict(softcap=30.0), dict(logit_scale=0.5), dict(temperature=2.0), dict(label_smoothing=0.1),
     dict(return_token_accuracy=True), "class_weight", "bias", dict(logits_dtype=torch.float32),

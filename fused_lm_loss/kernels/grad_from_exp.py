@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..exp_epilogue import ExpStats
 from ..loss_terms import LossTerms
 from .args import check_target
 from .online import LOG2E
@@ -66,14 +67,14 @@ def grad_from_exp(
     out: torch.Tensor,
     target: torch.Tensor,
     lse: torch.Tensor,
-    stats,
+    stats: ExpStats,
     *,
     terms: LossTerms,
     grad_scale: float,
     row_scale: torch.Tensor | None,
 ) -> None:
-    """Write d(loss)/d(logits) of a (rows, V) chunk, given as the epilogue's E and ``stats``
-    (exp_epilogue.ExpStats), into ``out`` (which may be ``e`` itself), times ``grad_scale`` (and ``row_scale``)."""
+    """Write d(loss)/d(logits) of a (rows, V) chunk, given as the epilogue's E and ``stats``, into ``out`` (which
+    may be ``e`` itself), times ``grad_scale`` (and ``row_scale``)."""
     rows, n_cols = e.shape
     check_target(target, rows, e.device, "grad_from_exp")
     assert terms.class_weight is None and not terms.smooths, "the exp epilogue serves the plain loss (plan.py)"
