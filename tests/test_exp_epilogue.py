@@ -124,6 +124,14 @@ def test_what_the_epilogue_does_not_serve_keeps_the_logits(served, options):
     assert served.calls == 0
 
 
+def test_only_the_gpu_tested_tile_widths_serve():
+    """192 or 128 columns (what the GPU tests ran); a vocabulary neither divides is not served (``supported``)."""
+    assert [exp_epilogue.tile_width(v) for v in (128256, 151936, 256000, 384, 640, 320, 32001)] == [
+        192, 128, 128, 192, 128, None, None]
+    probe = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert not exp_epilogue.supported(probe, torch.zeros(320, 64, dtype=torch.bfloat16))
+
+
 def test_the_exp_statistics_twin_against_float64():
     """exp_matmul_reference: E * 2^k is exp(z), the sums are E's, k an integer per tile, the target logit z's."""
     hidden, weight, labels, _ = make_inputs(9, 16, 640, dtype=torch.bfloat16, ignore_frac=0.0)
