@@ -160,6 +160,8 @@ def _run_chunk(head, rows: Rows, step, start: int, end: int, cols: tuple[int, in
         grad, grad_lo = head.grad_buffers(start, end, k)
         make_grad(logits, grad, target, start, end, grad_lo)
         head.backprop(start, end, k)
+    if head.exp_stats is not None:  # they end with their chunk: plan.py counts one chunk's, and the next chunk's
+        head.exp_stats = step.exp_stats = None  # (or, after the last, the dW result) are allocated after this
 
 
 class LossStep:
@@ -437,7 +439,7 @@ class LinearHead:
 
     def finish(self) -> tuple:
         # Free the chunk buffers first: with several chunks the dW result takes their memory (plan.py).
-        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = self.row_parts = self.exp_stats = None
+        self.buffers = self.h = self.u_rows = self.grad = self.grad_lo = self.row_parts = None
         plan = self.plan
         results = []
         for out in self.sets:  # rounded to the inputs' dtypes in backward, after grad_output / scaling (ops.py)

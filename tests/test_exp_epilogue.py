@@ -103,6 +103,39 @@ def test_num_items_and_the_reported_z_loss(served):
     assert rel_err(h.grad, grads["hidden"]) < 4e-3 and rel_err(w.grad, grads["weight"]) < 4e-3
 
 
+def test_the_statistics_end_with_their_chunk(served, monkeypatch):
+    """A chunk's k, sums and target logit are freed before the next chunk's GEMM allocates its own and before the
+    dW result is allocated: the plan counts one chunk's (plan.py), so none may outlive its chunk."""
+    import weakref
+
+    from fused_lm_loss import chunked
+
+    alive = []
+
+    def no_statistics_left(where):
+        assert all(ref() is None for ref in alive), f"a chunk's epilogue statistics are alive at {where}"
+
+    gemm = served.module.exp_matmul
+
+    def tracked(*args):
+        no_statistics_left("the next chunk's GEMM")
+        stats = gemm(*args)
+        alive.extend(weakref.ref(t) for t in (stats.k, stats.sum_exp, stats.target_logit))
+        return stats
+
+    finish = chunked.LinearHead.finish
+
+    def checked_finish(head):
+        no_statistics_left("the dW result")
+        return finish(head)
+
+    monkeypatch.setattr(served.module, "exp_matmul", tracked)
+    monkeypatch.setattr(chunked.LinearHead, "finish", checked_finish)
+    hidden, weight, labels, _ = make_inputs(23, 64, 384, dtype=torch.bfloat16)
+    run(hidden, weight, labels, chunk_size=8)
+    assert served.calls == 3 and len(alive) == 9
+
+
 @pytest.mark.parametrize("options", [
     dict(softcap=30.0), dict(logit_scale=0.5), dict(temperature=2.0), dict(label_smoothing=0.1),
     dict(return_token_accuracy=True), "class_weight", "bias", dict(logits_dtype=torch.float32),
