@@ -131,7 +131,8 @@ def exp_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     rows, vocab = e_out.shape
     tile_n = tile_width(vocab)
     stats = _empty_stats(rows, vocab, tile_n, hidden.device)
-    z = (hidden.float() @ weight.float().t()).view(rows, -1, tile_n)
+    with torch.autocast(hidden.device.type, enabled=False):  # (the op's body runs under the caller's autocast)
+        z = (hidden.float() @ weight.float().t()).view(rows, -1, tile_n)
     stats.k.copy_(torch.round(z.amax(2) * LOG2E))
     e = torch.exp2(z * LOG2E - stats.k[:, :, None])
     stats.sum_exp.copy_(e.sum(2))

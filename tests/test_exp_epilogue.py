@@ -103,6 +103,18 @@ def test_num_items_and_the_reported_z_loss(served):
     assert rel_err(h.grad, grads["hidden"]) < 4e-3 and rel_err(w.grad, grads["weight"]) < 4e-3
 
 
+def test_under_autocast(served):
+    """Under autocast (bf16 operands already) the path gives what it gives without: the op's body runs with the
+    caller's autocast on, and the epilogue's fp32 products must not be cast down."""
+    hidden, weight, labels, _ = make_inputs(21, 64, 384, dtype=torch.bfloat16, logit_std=4.0)
+    plain = run(hidden, weight, labels, z_loss=1e-3)
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
+        cast = run(hidden, weight, labels, z_loss=1e-3)
+    assert served.calls == 2
+    for a, b in zip(plain, cast):
+        assert rel_err(a, b) < 1e-6
+
+
 def test_the_statistics_end_with_their_chunk(served, monkeypatch):
     """A chunk's k, sums and target logit are freed before the next chunk's GEMM allocates its own and before the
     dW result is allocated: the plan counts one chunk's (plan.py), so none may outlive its chunk."""
