@@ -11,6 +11,8 @@ the inputs and the gradient tensors, for:
                (forward-only: the first; frozen head: the first two)
   fused        fused_lm_loss (default options: bf16 logits, fp32 dW accumulator)
   fused_bf16acc, fused_fp32logits   the accum_dtype=None and logits_dtype=float32 variants
+  fused_cublas fused with the Hopper path switched off (only where it serves: an sm90 GPU with the [hopper]
+               extra), so that both chunks are timed in one call
   fused_compiled torch.compile(fullgraph=True) of a step calling FusedLMLoss() (main scenario only; the compile
                is warmed up outside the timing). Its backward always multiplies the saved gradients by
                grad_output / scaling (an operator may not return its inputs), where eager, for a factor
@@ -127,6 +129,31 @@ def impl_fused(**options):
         return FusedLMLoss(**options)(x, w, y, scaling=scaling)
 
     return run
+
+
+def impl_fused_without_hopper_path():
+    """``fused`` with the Hopper path (exp_epilogue.py) switched off for the call: cuBLAS + ``row_stats``, the
+    chunk every other GPU takes, timed beside it in the same call."""
+    import fused_lm_loss.kernels as kernels
+
+    def run(x, w, y, scaling):
+        served = kernels.supports_exp_epilogue
+        kernels.supports_exp_epilogue = lambda hidden, weight: False  # gradients are made in forward
+        try:
+            return FusedLMLoss()(x, w, y, scaling=scaling)
+        finally:
+            kernels.supports_exp_epilogue = served
+
+    return run
+
+
+def hopper_path_serves() -> bool:
+    """Whether the library takes the Hopper path on this GPU for a bf16 training step (the [hopper] extra)."""
+    supported = getattr(getattr(fused_lm_loss, "exp_epilogue", None), "supported", None)  # (not before session 14)
+    if DEVICE != "cuda" or supported is None:
+        return False
+    probe = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE), torch.zeros(384, 64, dtype=torch.bfloat16, device=DEVICE)
+    return supported(*probe)
 
 
 def impl_fused_compiled():
@@ -274,6 +301,8 @@ def implementations(env, include_variants=True):
     if include_variants:
         impls["fused_bf16acc"] = impl_fused(accum_dtype=None)
         impls["fused_fp32logits"] = impl_fused(logits_dtype=torch.float32)
+    if hopper_path_serves():
+        impls["fused_cublas"] = impl_fused_without_hopper_path()
     impls["fused_compiled"] = impl_fused_compiled()
     impls["eager"] = impl_eager
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
@@ -482,6 +511,8 @@ def main():
                 if not main_case and args.peers_main_only and not name.startswith("fused"):
                     if not (mode == "frozen_head" and name in ("token_rl", "trl_rl", "token_dpo", "trl_dpo")):
                         continue  # (the frozen-head targets)
+                if name == "fused_cublas" and (mode == "forward" or dtype != torch.bfloat16):  # (= fused there)
+                    continue
                 if mode == "forward" and name in ("token_sft", *WEIGHTED_ROWS):
                     continue
                 if mode == "frozen_head" and name in ("token_rl_kept", "token_dpo_kept"):  # (nothing is kept)
