@@ -96,11 +96,13 @@ def _quack_epilogue():
 
 
 def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GPU path can serve these operands: sm90, bf16, contiguous rows, the [hopper] extra installed."""
+    """Whether the GPU path can serve these operands: sm90, bf16, contiguous rows, the [hopper] extra installed; a
+    hidden size that 8 divides (16-byte rows for TMA) and not 0 (an empty K loop never ran on the GPU)."""
     return (
         hidden.is_cuda and weight.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(hidden.device) == (9, 0)
-        and weight.is_contiguous() and weight.data_ptr() % 32 == 0 and hidden.shape[1] % 8 == 0
+        and weight.is_contiguous() and weight.data_ptr() % 32 == 0
+        and hidden.shape[1] > 0 and hidden.shape[1] % 8 == 0
         and tile_width(weight.shape[0]) is not None and _quack_epilogue() is not None
     )
 

@@ -209,6 +209,7 @@ def test_the_gpu_gemm():
     assert torch.equal(stats.k, ref.k)  # integers: a difference would be a max differing across a rounding tie
     assert rel_err(e, e_ref) < 8e-3 and rel_err(stats.sum_exp, ref.sum_exp) < 1e-5
     assert rel_err(stats.target_logit, ref.target_logit) < 1e-5
+    assert not exp_epilogue.supported(hidden[:, :0], weight[:, :0])  # H = 0: an empty K loop never ran here
 
 
 @pytest.mark.parametrize("found, says", [
