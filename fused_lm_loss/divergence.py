@@ -183,8 +183,9 @@ def _run(opts: DivergenceOptions, student_hidden, student_weight, student_bias, 
 
 def _over_first_half(logits: Tensor, dtype: torch.dtype) -> Tensor:
     """G (rows, V) in a 2-byte ``dtype`` over the first half of each fp32 logits row (row stride 2V): the kernel
-    writes each block of G after reading that block, and the block's G covers only columns it has read, so no
-    logit is overwritten before its last read; the matmuls take the row stride as their leading dimension."""
+    writes each block of G after all its threads have read that block (a barrier: G's column j lands on another
+    thread's logit j // 2), and the block's G covers only columns already read, so no logit is overwritten before
+    its last read (kernels/divergence.py); the matmuls take the row stride as their leading dimension."""
     return logits.view(dtype)[:, : logits.shape[1]]
 
 

@@ -45,3 +45,9 @@ def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, device: t
         raise ValueError(
             f"{caller}: class_weight must be a contiguous (V,) = ({n_cols},) fp32 tensor on {device}, got {described}"
         )
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view one storage: a kernel that writes one while other threads still read the other
+    must order them (a barrier), since Triton orders no global accesses across a program's threads."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -34,8 +34,12 @@ One program per row, over blocks of BLOCK_V columns:
    (log s_t - log s_s). A KL is done here.
 2. JSD only: the sums sum_j p_t u_t and sum_j p_s u_s, log p = (z - m) - log s.
 3. Only with ``grad_out``: the gradient times the row weight, the student's chain rule (kernels/transform.py),
-   stored in grad_out's dtype. Each block is read (both sides) before its gradient is written, by the same
-   program, so grad_out may be ``student_logits`` itself (in place).
+   stored in grad_out's dtype. grad_out may share the student's memory: the logits themselves (in place), or,
+   for a 2-byte G over fp32 logits, the first half of each row (divergence.py), where G's column j lands on
+   logit j // 2, which another thread of the program reads. So each block is read (both sides) by every thread
+   before any thread writes its gradient: a barrier between the block's loads and its store (Triton orders
+   neither a block's global accesses across threads nor its loads and stores; earlier blocks were all read
+   in earlier iterations, and G's block b covers logits of block b // 2 only).
 
 Each side's logits are read once (KL), twice (KL with the gradient, JSD) or three times (JSD with the gradient).
 
@@ -58,6 +62,7 @@ import triton
 import triton.language as tl
 
 from ..transform import LogitTransform
+from .args import shares_memory
 from .online import LOG2E
 from .transform import chain_rule, loss_space, transform_scalars
 
@@ -139,6 +144,7 @@ def _divergence_kernel(
     NEED_ENTROPY: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     HAS_ROW_WEIGHT: tl.constexpr,
+    GRAD_OVER_STUDENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One row: divergence_ptr[row], entropy_ptr[row] (NEED_ENTROPY), grad_ptr's row (NEED_GRAD); MODE 0: KL(p_t ||
@@ -242,6 +248,8 @@ def _divergence_kernel(
                 # (1 - beta) p_s (log p_s - log m - KL(p_s || m)) = (1 - beta) p_s (sum p_s u_s - u_s)
                 grad = tl.where(p_s > 0.0, ((1.0 - beta) * p_s) * (ps_us - u_s), 0.0)
             grad = chain_rule(grad, t, scale, S_HAS_SOFTCAP)
+            if GRAD_OVER_STUDENT:  # no thread writes before every thread has read this block (see the docstring)
+                tl.debug_barrier()
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -324,6 +332,7 @@ def divergence_rows(
         NEED_ENTROPY=entropy_out is not None,
         NEED_GRAD=grad_out is not None,
         HAS_ROW_WEIGHT=row_weight is not None,
+        GRAD_OVER_STUDENT=grad_out is not None and shares_memory(grad_out, student_logits),
         BLOCK_V=block_v,
         # H200, 512 rows x 151936 fp32 columns, student softcap, bf16 gradient: 8 warps 0.25 / 0.51 / 0.70 ms (KL /
         # JSD / JSD with the gradient, 2.4-2.9 TB/s of logits), 4 warps 0.28 / 0.63 / 0.78, 16 slower; no spills
