@@ -75,7 +75,7 @@ def float64_reference(hs, ws, ht, wt, beta, chunk=512):
 def implementations(beta):
     def fused(hs, ws, ht, wt):
         out = fused_divergence(hs, ws, ht, wt, kind={0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd"),
-                               beta=beta if 0 < beta < 1 else 0.5, reduction="none", return_entropy=True)
+                               beta=beta if 0 < beta < 1 else None, reduction="none", return_entropy=True)
         return out.divergence.sum() / hs.shape[0]
 
     impls = {"fused": fused}

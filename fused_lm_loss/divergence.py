@@ -42,6 +42,7 @@ from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
 from .inputs import check_gathered_for_backward, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, traced
+from .options import MATMUL_DTYPES
 from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
 from .transform import LogitTransform
 
@@ -55,7 +56,7 @@ class DivergenceOptions:
     """The options of a divergence, validated once where they are made."""
 
     kind: str = "forward_kl"
-    beta: float = 0.5  # the mixture weight of the teacher, for kind="jsd"
+    beta: Optional[float] = None  # the mixture weight of the teacher: kind="jsd" only (None there: 0.5)
     temperature: float = 1.0
     student_logit_scale: float = 1.0
     student_softcap: Optional[float] = None
@@ -70,10 +71,13 @@ class DivergenceOptions:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.beta is not None and self.kind != "jsd":  # (TRL's beta would be silently ignored)
+            raise ValueError(f"beta is the mixture weight of kind='jsd'; kind={self.kind!r} takes none (TRL's beta 0 "
+                             "and 1 are kind='forward_kl' and 'reverse_kl': DivergenceOptions.from_beta translates)")
         for name in ("beta", "temperature", "student_logit_scale", "teacher_logit_scale", "student_softcap",
                      "teacher_softcap"):
             value = getattr(self, name)
-            if value is None and name.endswith("softcap"):
+            if value is None and name in ("beta", "student_softcap", "teacher_softcap"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -91,7 +95,7 @@ class DivergenceOptions:
     @property
     def mixture_beta(self) -> float:
         """The teacher's weight in the mixture: 0 for the forward KL, 1 for the reverse KL (as TRL's beta)."""
-        return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(self.kind, float(self.beta))
+        return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(self.kind, 0.5 if self.beta is None else float(self.beta))
 
     @property
     def student(self) -> LogitTransform:
@@ -105,7 +109,7 @@ class DivergenceOptions:
     def from_beta(cls, beta: float, **options) -> "DivergenceOptions":
         """TRL's spelling: beta 0 is the forward KL, 1 the reverse KL, anything between the generalized JSD."""
         kind = "forward_kl" if beta == 0.0 else "reverse_kl" if beta == 1.0 else "jsd"
-        return cls(kind=kind, beta=float(beta) if kind == "jsd" else 0.5, **options)
+        return cls(kind=kind, beta=float(beta) if kind == "jsd" else None, **options)
 
 
 class DivergenceOutput(NamedTuple):
@@ -338,11 +342,14 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     for name, t in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         reject_sharded(name, t)
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t!r}")
+        if not isinstance(t, Tensor) or t.dtype not in MATMUL_DTYPES:  # (G is written in the matmul dtype)
+            raise ValueError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
+                             f"{t.dtype if isinstance(t, Tensor) else t!r}")
     if student_weight.dim() != 2 or teacher_weight.dim() != 2:
         raise ValueError(f"the weights must be (V, H), got {tuple(student_weight.shape)} and "
                          f"{tuple(teacher_weight.shape)}")
+    if student_weight.shape[0] == 0:
+        raise ValueError("the heads must have at least one class (the weights are (0, H))")
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(f"the student's and the teacher's vocabularies differ: {student_weight.shape[0]} and "
                          f"{teacher_weight.shape[0]} classes")
@@ -381,7 +388,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     student = _matmul_operands(student_hidden, student_weight, student_bias, "student")
     teacher = _matmul_operands(teacher_hidden.detach(), teacher_weight.detach(),
                                None if teacher_bias is None else teacher_bias.detach(), "teacher")
-    needs = [t is not None and t.requires_grad for t in student]
+    needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in student]
     div, entropy, *_ = linear_divergence(
         student[0].reshape(n, student[0].shape[-1]), student[1], student[2], teacher[0].reshape(n, teacher[0].shape[-1]),
         teacher[1], teacher[2],
@@ -423,7 +430,7 @@ def _matmul_operands(hidden, weight, bias, side: str):
 def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
                      labels: Tensor | None = None, *, student_bias: Tensor | None = None,
                      teacher_bias: Tensor | None = None, mask: Tensor | None = None, kind: str = "forward_kl",
-                     beta: float = 0.5, temperature: float = 1.0, student_logit_scale: float = 1.0,
+                     beta: float | None = None, temperature: float = 1.0, student_logit_scale: float = 1.0,
                      student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
                      teacher_softcap: float | None = None, ignore_index: int = -100, reduction: str = "mean",
                      chunk_size: int | None = None, return_entropy: bool = False) -> Tensor | DivergenceOutput:
@@ -435,7 +442,8 @@ def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hid
         labels: positions whose label is ``ignore_index`` are left out (0, no gradient); or ``mask`` (bool,
             True where the divergence counts); neither: every position.
         kind: "forward_kl" (KL(teacher || student)), "reverse_kl" (KL(student || teacher)) or "jsd" (the
-            generalized Jensen-Shannon divergence with the teacher's mixture weight ``beta``).
+            generalized Jensen-Shannon divergence with the teacher's mixture weight ``beta``, 0.5 by default;
+            beta with another kind is an error).
         temperature: divides both sides' logits; each side's ``logit_scale`` / ``softcap`` are its model's.
         reduction: "mean" over the selected positions, "sum", or "none" (shaped like the positions).
         chunk_size: at most this many rows per chunk (default: by memory: both fp32 logits chunks within 240 MiB,

@@ -65,8 +65,8 @@ def test_matches_float64_reference(backend, kind, reduction, student):
     sh.requires_grad_(student != "frozen_hidden")
     for t in (sw, sb):
         t.requires_grad_(student != "frozen_head")
-    out = fused_divergence(sh, sw, th, tw, labels, student_bias=sb, teacher_bias=tb, kind=kind, beta=0.3,
-                           reduction=reduction, chunk_size=5, return_entropy=True, **transforms)
+    out = fused_divergence(sh, sw, th, tw, labels, student_bias=sb, teacher_bias=tb, kind=kind,
+                           beta=0.3 if kind == "jsd" else None, reduction=reduction, chunk_size=5, return_entropy=True, **transforms)
     weights = torch.randn(N) if reduction == "none" else None
     (out.divergence if weights is None else (out.divergence * weights).sum()).backward()
     selected = labels != -100
@@ -211,7 +211,8 @@ def test_bad_arguments_raise():
     for bad, match in ((dict(kind="kl"), "kind"), (dict(kind="jsd", beta=0.0), "beta"), (dict(kind="jsd", beta=1.5),
                        "beta"), (dict(temperature=0.0), "temperature"), (dict(student_softcap=-1.0), "student_softcap"),
                        (dict(reduction="avg"), "reduction"), (dict(chunk_size=0), "chunk_size"),
-                       (dict(ignore_index=1.5), "ignore_index")):
+                       (dict(ignore_index=1.5), "ignore_index"), (dict(beta=1.0), "beta is the mixture weight"),
+                       (dict(kind="reverse_kl", beta=0.3), "beta is the mixture weight")):
         with pytest.raises(ValueError, match=match):
             fused_divergence(sh, sw, th, tw, labels, **bad)
         with pytest.raises(ValueError, match=match):
@@ -224,6 +225,11 @@ def test_bad_arguments_raise():
         fused_divergence(sh, sw, th, tw[:, :-1], labels)
     with pytest.raises(ValueError, match="dtype"):
         fused_divergence(sh.bfloat16(), sw, th, tw, labels)
+    for dtype in (torch.float64, torch.float8_e4m3fn):  # (G is written in the student's matmul dtype)
+        with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+            fused_divergence(sh.to(dtype), sw.to(dtype), th, tw, labels)
+    with pytest.raises(ValueError, match="at least one class"):
+        fused_divergence(sh, sw[:0], th, tw[:0], labels)
     with pytest.raises(ValueError, match="not both"):
         fused_divergence(sh, sw, th, tw, labels, mask=labels != -100)
     with pytest.raises(ValueError, match="integer"):
@@ -234,6 +240,28 @@ def test_bad_arguments_raise():
         fused_divergence(sh, sw, th, tw, labels, return_entropy="yes")
     with pytest.raises(ValueError, match="return_entropy"):
         FusedDivergence(return_entropy=1)
+
+
+def test_no_grad_makes_no_gradients(monkeypatch):
+    """Under torch.no_grad (evaluation) the chunks build no dX / dW, whatever the tensors' requires_grad."""
+    from fused_lm_loss import divergence
+
+    asked = []
+    run = divergence._run
+
+    def spy(*args, **kwargs):
+        asked.append((kwargs["need_hidden"], kwargs["need_weight"], kwargs["need_bias"]))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(divergence, "_run", spy)
+    sh, sw, sb, th, tw, tb, labels = make()
+    for t in (sh, sw, sb):
+        t.requires_grad_(True)
+    with torch.no_grad():
+        value = fused_divergence(sh, sw, th, tw, labels, student_bias=sb, teacher_bias=tb)
+    assert asked == [(False, False, False)] and not value.requires_grad
+    want = fused_divergence(sh, sw, th, tw, labels, student_bias=sb, teacher_bias=tb)
+    assert asked[-1] == (True, True, True) and torch.equal(value, want.detach())
 
 
 def test_module_matches_function():
