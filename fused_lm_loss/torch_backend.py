@@ -234,15 +234,15 @@ def divergence_rows(
         else:      beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = beta p_t + (1 - beta) p_s
                                                                  d/dz_s = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
 
-    p log p is 0 where p is 0 (a -inf logit carries nothing), as ``torch.special.xlogy``.
+    p log p is 0 where p is 0 (a -inf logit carries nothing), as ``torch.special.xlogy``; a NaN stays NaN.
     """
     z_s, capped = student.apply(student_logits)
     z_t, _ = teacher.apply(teacher_logits)
     log_ps, log_pt = torch.log_softmax(z_s, dim=1), torch.log_softmax(z_t, dim=1)
     p_s, p_t = log_ps.exp(), log_pt.exp()
 
-    def kl(p, log_p, log_q):  # sum_j p (log p - log q), 0 where p = 0
-        return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=1)
+    def kl(p, log_p, log_q):  # sum_j p (log p - log q), 0 where p = 0 (p == 0, not p > 0: a NaN row stays NaN)
+        return torch.where(p == 0, 0.0, p * (log_p - log_q)).sum(dim=1)
 
     if beta == 0.0:
         value = kl(p_t, log_pt, log_ps)
@@ -257,9 +257,9 @@ def divergence_rows(
             value, weight = beta * kl(p_t, log_pt, log_m) + (1.0 - beta) * aux, 1.0 - beta
         grad_z = None
         if grad_out is not None:
-            grad_z = torch.where(p_s > 0, weight * p_s * (log_ps - log_m - aux[:, None]), 0.0)
+            grad_z = torch.where(p_s == 0, 0.0, weight * p_s * (log_ps - log_m - aux[:, None]))
     divergence_out.copy_(value)
     if entropy_out is not None:
-        entropy_out.copy_(-torch.where(p_s > 0, p_s * log_ps, 0.0).sum(dim=1))
+        entropy_out.copy_(-torch.where(p_s == 0, 0.0, p_s * log_ps).sum(dim=1))
     if grad_out is not None:
         grad_out.copy_(student.chain(grad_z, capped, row_scale=row_weight))

@@ -48,7 +48,8 @@ p = 0). A teacher -inf where the student is finite gives beta = 0 and the JSD fi
 value +inf and a NaN gradient, as the twin (KL(p_s || p_t) is infinite); likewise a student -inf where the
 teacher is finite gives beta = 1 and the JSD finite values, and beta = 0 the value +inf with the finite gradient
 p_s - p_t; a student -inf where the teacher is -inf too carries nothing (gradient 0). Exponents are clamped to
--FLT_MAX as in ``token_stats``. (A row that is all -inf on either side gives NaN.)
+-FLT_MAX as in ``token_stats`` (``online.floor_exponent``). (A row that is all -inf on either side gives NaN, and
+so does a NaN logit on either side: its row's divergence, entropy and gradient, as eager's softmax.)
 
 Float scalars are cast to fp32 at the top of the kernel (torch.compile passes Python floats as fp64); row offsets
 are int64.
@@ -63,11 +64,9 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import shares_memory
-from .online import LOG2E
+from .online import LOG2E, floor_exponent
 from .transform import chain_rule, loss_space, transform_scalars
 
-# Exponents are clamped to -FLT_MAX: 2^t * t is 0 (not NaN) at t = -inf (as token_stats)
-NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 LN2 = tl.constexpr(0.6931471805599453)
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 
@@ -92,7 +91,7 @@ def _online_step(z, running_max, running_ref):
     new_max = tl.maximum(running_max, tl.max(z, axis=0))
     # while the row is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select
     new_ref = tl.where(new_max == float("-inf"), 0.0, new_max * LOG2E)
-    exponent = tl.maximum(tl.fma(z, LOG2E, -new_ref), NEG_FLT_MAX)
+    exponent = floor_exponent(tl.fma(z, LOG2E, -new_ref))
     # c only grows, but from the all -inf state (sums 0) it may fall: the min keeps 2^delta finite there
     delta = tl.minimum(running_ref - new_ref, 0.0)
     return new_max, new_ref, tl.exp2(exponent), exponent, delta
@@ -181,9 +180,9 @@ def _divergence_kernel(
             wsum_s = rescale_s * (wsum_s + delta_s * sumexp_s) + tl.sum(e_s * exponent_s, axis=0)
         # d where the weight is positive only: no 0 * inf at a -inf logit (past the row's end e = 0, d finite)
         if MODE == 0:
-            cross = cross * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * d, 0.0), axis=0)
+            cross = cross * rescale_t + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * d), axis=0)
         elif MODE == 1:
-            cross = cross * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * d, 0.0), axis=0)
+            cross = cross * rescale_s + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * d), axis=0)
         sumexp_s = sumexp_s * rescale_s + tl.sum(e_s, axis=0)
         sumexp_t = sumexp_t * rescale_t + tl.sum(e_t, axis=0)
         ref_s = new_ref_s
@@ -219,8 +218,8 @@ def _divergence_kernel(
             _, p_t = _log_probs(z_t, max_t, log_sumexp_t)
             u_t, u_s = _jsd_terms(d, q_offset, log_beta, log_one_minus_beta)
             # p u = 0 where p = 0 (u may be inf there, or NaN where both logits are -inf)
-            pt_ut += tl.sum(tl.where(p_t > 0.0, p_t * u_t, 0.0), axis=0)
-            ps_us += tl.sum(tl.where(p_s > 0.0, p_s * u_s, 0.0), axis=0)
+            pt_ut += tl.sum(tl.where(p_t == 0.0, 0.0, p_t * u_t), axis=0)
+            ps_us += tl.sum(tl.where(p_s == 0.0, 0.0, p_s * u_s), axis=0)
         value = -(beta * pt_ut + (1.0 - beta) * ps_us)
     tl.store(divergence_ptr + row, value)
 
@@ -242,11 +241,11 @@ def _divergence_kernel(
                 _, p_t = _log_probs(z_t, max_t, log_sumexp_t)
                 grad = p_s - p_t
             elif MODE == 1:
-                grad = tl.where(p_s > 0.0, p_s * (mean_gap - d), 0.0)
+                grad = tl.where(p_s == 0.0, 0.0, p_s * (mean_gap - d))
             else:
                 _, u_s = _jsd_terms(d, q_offset, log_beta, log_one_minus_beta)
                 # (1 - beta) p_s (log p_s - log m - KL(p_s || m)) = (1 - beta) p_s (sum p_s u_s - u_s)
-                grad = tl.where(p_s > 0.0, ((1.0 - beta) * p_s) * (ps_us - u_s), 0.0)
+                grad = tl.where(p_s == 0.0, 0.0, ((1.0 - beta) * p_s) * (ps_us - u_s))
             grad = chain_rule(grad, t, scale, S_HAS_SOFTCAP)
             if GRAD_OVER_STUDENT:  # no thread writes before every thread has read this block (see the docstring)
                 tl.debug_barrier()

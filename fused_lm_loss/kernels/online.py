@@ -1,4 +1,5 @@
-"""Triton helpers of the online softmax shared by the statistics kernels (``row_stats.py``, ``token_stats.py``).
+"""Triton helpers of the online softmax shared by the statistics kernels (``row_stats.py``, ``token_stats.py``,
+``divergence.py``).
 
 A row's sum-exp is kept relative to its running maximum m. Moving it to a new maximum m' >= m multiplies it by
 exp(m - m'); a state that is all -inf (m = -inf, sum-exp 0) is taken relative to 0 instead (-inf - -inf would
@@ -10,6 +11,14 @@ import triton.language as tl
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
 LOG2E = tl.constexpr(1.4426950408889634)
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def floor_exponent(t):
+    """max(t, -FLT_MAX): 2^t * t is then 0 (not NaN) at t = -inf. A NaN stays NaN (a max that drops it, as the
+    GPU's does by default, would turn a NaN logit into a zero probability and its row's outputs finite)."""
+    return tl.maximum(t, NEG_FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -55,14 +55,12 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import check_target
-from .online import LOG2E, merge_segments, segment_block
+from .online import LOG2E, floor_exponent, merge_segments, segment_block
 from .row_stats import target_logit
 from .transform import loss_space, transform_scalars
 
 #: Columns per program, as ``row_stats.SEGMENT_COLS`` (16384 bf16 values = 32 KiB per row segment).
 SEGMENT_COLS = 16384
-# Exponents are clamped to -FLT_MAX: 2^t * t is 2^t * t for every finite t, and 0 (not NaN) at t = -inf.
-NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 INT32_MAX = tl.constexpr(2147483647)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -109,7 +107,7 @@ def online_token_stats(
         # While the segment is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select.
         new_ref = tl.where(new_max == float("-inf"), 0.0, new_max * LOG2E)
         # -inf logits: t = -FLT_MAX, 2^t = 0 and 2^t t = 0 (not 0 * -inf = NaN)
-        t = tl.maximum(tl.fma(z, LOG2E, -new_ref), NEG_FLT_MAX)
+        t = floor_exponent(tl.fma(z, LOG2E, -new_ref))
         e = tl.exp2(t)
         block_sumexp = tl.sum(e, axis=0)
         block_wsum = tl.sum(e * t, axis=0)
@@ -229,8 +227,8 @@ def _token_merge_kernel(
         old_max, old_sumexp = row_max, row_sumexp
         row_max, row_sumexp, shift, rescale, seg_rescale = merge_segments(row_max, row_sumexp, seg_max, seg_sumexp)
         # w moves with s (module docstring): w' = k (w + (m - m') s), the (m - m') s of an empty state clamped
-        seg_wsum = seg_rescale * (seg_wsum + tl.maximum(seg_max - shift[None, :], NEG_FLT_MAX) * seg_sumexp)
-        row_wsum = rescale * (row_wsum + tl.maximum(old_max - shift, NEG_FLT_MAX) * old_sumexp)
+        seg_wsum = seg_rescale * (seg_wsum + floor_exponent(seg_max - shift[None, :]) * seg_sumexp)
+        row_wsum = rescale * (row_wsum + floor_exponent(old_max - shift) * old_sumexp)
         row_wsum += tl.sum(seg_wsum, axis=0)
         if NEED_SQUARES:  # q moves as s does, squared: q' = k^2 q
             seg_squares = tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0)

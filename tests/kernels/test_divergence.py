@@ -261,6 +261,23 @@ def test_divergence_rows_with_neg_inf_logits(beta, softcap, dtype):
             assert (grad_out[torch.isinf(student_logits) & finite_grad[:, None]] == 0).all(), impl.__module__
 
 
+@interpreter_numpy_warnings
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_a_nan_logit_gives_a_nan_row(beta, side):
+    """A NaN logit on either side makes its row's divergence, entropy (student) and gradient NaN, as eager's
+    log_softmax would, in both implementations; the other rows are untouched."""
+    student_logits, teacher_logits = torch.randn(3, 300), torch.randn(3, 300)
+    (student_logits if side == "student" else teacher_logits)[1, 7] = float("nan")
+    for impl in IMPLS:
+        grad_out = torch.empty(3, 300)
+        got, entropy = _run(impl, student_logits, teacher_logits, beta, (LogitTransform(), LogitTransform()),
+                            grad_out=grad_out)
+        assert got[1].isnan() and got[[0, 2]].isfinite().all(), (impl.__module__, got)
+        assert entropy[[0, 2]].isfinite().all() and (entropy[1].isnan() or side == "teacher"), impl.__module__
+        assert grad_out[1].isnan().any() and grad_out[[0, 2]].isfinite().all(), impl.__module__
+
+
 @pytest.mark.parametrize("beta", BETAS)
 def test_divergence_rows_of_close_distributions_is_accurate(beta):
     """Teacher = student + noise of 1e-3..1e-1 (divergences ~1e-7..1e-2), one row at logits ~100: the kernel's

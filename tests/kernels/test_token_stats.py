@@ -210,6 +210,21 @@ def test_token_stats_with_neg_inf_logits(dtype, softcap, segment_cols, monkeypat
             assert got[0][3].abs() <= 2.5e-7 and got[1][3].abs() <= 2.5e-7, impl.__module__
 
 
+@pytest.mark.parametrize("segment_cols", [None, 512])  # 512: the NaN in one of 5 segments
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_token_stats_of_a_row_with_a_nan_logit_are_nan(segment_cols, softcap, monkeypatch):
+    """A NaN logit makes its row's log-probability, entropy and lse NaN, as eager's log_softmax: a max that dropped
+    the NaN would have made it a zero probability and the row finite (an RL loss silently wrong). Other rows stay."""
+    if segment_cols is not None:
+        monkeypatch.setattr(token_stats_module, "SEGMENT_COLS", segment_cols)
+    logits, target = torch.randn(4, 2348), torch.randint(0, 2348, (4,))
+    logits[2, 1500] = float("nan")
+    for impl in STATS:
+        got = _run_stats(impl, logits, target, softcap=softcap)
+        for name, values in zip(("logprob", "entropy", "lse"), got):
+            assert values[2].isnan() and values[[0, 1, 3]].isfinite().all(), (impl.__module__, name, values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("segment_cols", [None, 256, 512])  # None: one segment; 256: 10; 512: 5, some all -inf
