@@ -122,7 +122,8 @@ def linear_cross_entropy(
     grad_terms = None
     if terms.class_weight is not None:  # the mean divides by the targets' summed weights, as F.cross_entropy
         weight_sum = float(terms.class_weight[rows.target].sum()) if rows.count else 0.0
-        denominator = weight_sum if opts.reduction == "mean" else 1.0
+        # kept targets whose weights sum to 0: 0 / 0, NaN as F.cross_entropy; no kept rows: 0, as unweighted
+        denominator = (weight_sum or math.nan) if opts.reduction == "mean" and rows.count else 1.0
         # ... and the (unweighted) z-loss by the token count, as Liger: its gradient coefficient follows
         z_denominator = float(max(rows.count, 1)) if opts.reduction == "mean" else 1.0
         grad_terms = terms.with_z_loss(opts.z_loss * denominator / z_denominator if denominator else 0.0)

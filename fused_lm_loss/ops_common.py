@@ -72,6 +72,7 @@ class FusedOp:
         own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(fn).parameters.values()
                if p.name != "opts"]
         self.n_own = len(own)
+        self.arg_names = [p.name for p in own] + list(TENSOR_OPTIONS)
         params = own + [
             inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[Tensor])
             for n in TENSOR_OPTIONS
@@ -87,6 +88,7 @@ class FusedOp:
 
     def __call__(self, *args: Any, opts: LossOptions):
         tensors, keywords = encode(opts)
+        refuse_mixed_meta(self.arg_names, (*args, *tensors))
         return self.op(*args, *tensors, **keywords)
 
     def register_fake(self, fake: Callable) -> Callable:
@@ -107,6 +109,17 @@ class FusedOp:
             return (*backward(ctx, *grads), *(None for _ in TENSOR_OPTIONS))
 
         self.op.register_autograd(backward_all, setup_context=setup)
+
+
+def refuse_mixed_meta(names: Sequence[str], values: Sequence[Any]) -> None:
+    """A meta tensor (a shape without values) beside tensors that hold values would make the dispatcher run the
+    operator's fake implementation, whose outputs are uninitialized memory: a ValueError instead. (All on meta,
+    shapes only, is what the fake implementation is for.)"""
+    tensors = [(name, v) for name, v in zip(names, values, strict=True) if isinstance(v, Tensor)]
+    on_meta = [name for name, v in tensors if v.device.type == "meta"]
+    if on_meta and len(on_meta) < len(tensors):
+        raise ValueError(f"{', '.join(on_meta)} on the meta device (a shape without values) beside tensors that hold "
+                         "values: move them to the computation's device")
 
 
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:
@@ -136,12 +149,12 @@ def allocate(specs: Sequence[Spec], device: torch.device) -> tuple:
 
 
 def conform(specs: Sequence[Spec], outputs: Sequence[Tensor | None], device: torch.device) -> tuple:
-    """The real outputs, ``None`` replaced by empty (0,) tensors, each checked against its spec: the fake
+    """The real outputs, ``None`` replaced by zeros of its spec, each checked against its spec: the fake
     implementation promised exactly these shapes and dtypes to the compiler."""
     result = []
     for k, (spec, out) in enumerate(zip(specs, outputs, strict=True)):
-        if out is None:
-            out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        if out is None:  # (asked for but never made, e.g. by weights that are all 0: its gradient is 0)
+            out = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         if tuple(out.shape) != tuple(spec.shape) or out.dtype != spec.dtype:
             raise RuntimeError(f"fused_lm_loss: output {k} is {tuple(out.shape)} {out.dtype}, but its spec says "
                                f"{tuple(spec.shape)} {spec.dtype} (a bug: please report it)")

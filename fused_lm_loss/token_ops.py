@@ -190,7 +190,7 @@ def linear_token_stats_backward(
 
     vocab_side = any(needs[i] for i in VOCAB_INPUTS)
     # (checked only where it decides something: a host sync)
-    uniform = vocab_side and has_lp and b is None and rows.count > 0 and bool(a.min() == a.max())
+    uniform = vocab_side and has_lp and a is not None and b is None and rows.count > 0 and bool(a.min() == a.max())
     vocab_from_forward = vocab_side and uniform
     if vocab_side and not vocab_from_forward:
         recompute(a, b, range(5))  # the vocabulary side needs the logits again: recompute it all

@@ -225,3 +225,39 @@ def test_many_calls_do_not_grow_memory(backend):
         del loss
     weight.grad = None
     assert live_tensors() <= before
+
+
+@pytest.mark.parametrize("case", ["kept_weights_sum_to_zero", "all_ignored", "no_rows"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_class_weighted_mean_with_a_zero_denominator(backend, case, z_loss):
+    """The weighted mean divides by the kept targets' summed weights: where they sum to 0, 0 / 0 is NaN in the loss
+    and the gradients, as F.cross_entropy; with no kept row at all the loss is 0 and so are the gradients, as
+    without class weights (not F.cross_entropy's NaN: README)."""
+    n = 0 if case == "no_rows" else 6
+    hidden, weight, labels, _ = make_inputs(n, 8, 40)
+    class_weight = torch.rand(40) + 0.5
+    if case == "kept_weights_sum_to_zero":
+        class_weight[labels[labels != -100]] = 0.0
+    elif case == "all_ignored":
+        labels[:] = -100
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = FusedLMLoss(class_weight=class_weight, z_loss=z_loss)(h, w, labels)
+    loss.backward()
+    if case == "kept_weights_sum_to_zero":
+        h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+        want = F.cross_entropy(h64 @ w64.T, labels, weight=class_weight.double())
+        want.backward()
+        assert want.isnan() and loss.isnan()
+        assert torch.equal(h.grad.isnan(), h64.grad.isnan()) and torch.equal(w.grad.isnan(), w64.grad.isnan())
+    else:
+        assert loss == 0 and not h.grad.any() and not w.grad.any()
+
+
+def test_a_meta_tensor_beside_real_ones_raises(backend):
+    """A meta tensor among the operator's inputs (a class-weight buffer left on meta by meta-device initialization)
+    would make the dispatcher run the fake implementation: uninitialized outputs. A ValueError names it."""
+    hidden, weight, labels, _ = make_inputs(6, 8, 40)
+    with pytest.raises(ValueError, match="class_weight on the meta device"):
+        FusedLMLoss(class_weight=torch.ones(40, device="meta"))(hidden, weight, labels)
+    with pytest.raises(ValueError, match="num_items on the meta device"):
+        FusedLMLoss()(hidden, weight, labels, num_items_in_batch=torch.tensor(3.0, device="meta"))

@@ -374,3 +374,32 @@ def test_every_integer_label_dtype(backend, dtype, ignore_index, head):
     for name, t in (("hidden", hidden), ("weight", weight)):
         if name in grads:
             assert rel_err(t.grad, grads[name]) <= 2e-5, name
+
+
+@pytest.mark.parametrize("expected", ["logprobs", "logprobs_and_entropy", "uniform"])
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+@pytest.mark.parametrize("case", ["zero_entropy_weight", "all_ignored"])
+def test_gradients_nothing_weighs_are_zero(backend, expected, head, case):
+    """Backward through the entropy alone with all-zero weights, or with any weights where every position is
+    ignored: no gradient component is made, and the gradients asked for are 0 (not uninitialized memory)."""
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    if case == "all_ignored":
+        labels[:] = -100
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head == "trainable")
+    out = token_stats(hidden, weight, labels, expected_grads=expected, chunk_size=16)
+    weights = torch.zeros(N) if case == "zero_entropy_weight" else torch.randn(N)
+    (out.entropy * weights).sum().backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert head == "frozen" or torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_one_row(backend):
+    """A single kept row: the per-row weights autograd hands back (an expand of one value) have stride 0."""
+    hidden, weight, labels, _ = make_inputs(1, H, V, ignore_frac=0.0)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    out = token_stats(hidden, weight, labels)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    _, grads = reference(hidden, weight, labels, a=torch.ones(1), b=torch.ones(1))
+    assert rel_err(hidden.grad, grads["hidden"]) <= 2e-5 and rel_err(weight.grad, grads["weight"]) <= 2e-5

@@ -265,7 +265,7 @@ def token_grad_logits(
         return
     assert logits.stride(1) == 1 and out.stride(1) == 1
     for per_row in (lse, entropy, grad_logprob, grad_entropy):
-        assert per_row is None or (per_row.shape == (rows,) and per_row.stride(0) == 1)
+        assert per_row is None or (per_row.shape == (rows,) and (rows == 1 or per_row.stride(0) == 1))
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     _token_grad_kernel[(rows, triton.cdiv(n_cols, block_v))](
         logits,
