@@ -100,13 +100,21 @@ _first_instance_hooks: list[Callable[[], None]] = []
 
 
 def on_first_instance(hook: Callable[[], None]) -> None:
-    """Call ``hook()`` when the first FusedLMLoss is constructed (now, if one already was)."""
+    """Call ``hook()`` when the first FusedLMLoss is constructed or unpickled (now, if one already was)."""
     _first_instance_hooks.append(hook)
     if _made_one:
         hook()
 
 
 _made_one = False
+
+
+def _first_instance() -> None:
+    global _made_one
+    if not _made_one:
+        _made_one = True
+        for hook in _first_instance_hooks:
+            hook()
 
 
 class FusedLMLoss(nn.Module):
@@ -215,11 +223,12 @@ class FusedLMLoss(nn.Module):
             return_token_accuracy=return_token_accuracy,
             keep_logits=keep_logits,
         )
-        global _made_one
-        if not _made_one:
-            _made_one = True
-            for hook in _first_instance_hooks:
-                hook()
+        _first_instance()
+
+    def __setstate__(self, state: dict) -> None:
+        # an unpickled loss (torch.load, another process) is made without __init__: it too must install the hooks
+        super().__setstate__(state)
+        _first_instance()
 
     def forward(
         self,

@@ -27,18 +27,30 @@ def install() -> None:
 
 
 def _on_submodule_registered(module: nn.Module, name: str, submodule: Any) -> None:
-    if name == "loss_function" and isinstance(submodule, FusedLMLoss) and _is_transformers_or_peft_model(module):
+    if name == "loss_function" and isinstance(submodule, FusedLMLoss) and _is_transformers_model(inner_model(module)):
         from .hf_patch import assign_loss_function
 
         assign_loss_function(module, submodule)
 
 
-def _is_transformers_or_peft_model(module: nn.Module) -> bool:
-    cls = type(module)
-    if cls.__module__.startswith("peft.") and hasattr(module, "get_base_model"):
-        return True
+def inner_model(module: nn.Module) -> nn.Module:
+    """The model inside its wrappers: a peft PeftModel (``get_base_model()``) or tuner such as LoraModel
+    (``.model``), torch's DistributedDataParallel / DataParallel (``.module``); the module itself otherwise."""
+    while True:
+        if type(module).__module__.startswith("peft."):
+            inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "model", None)
+        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = module.module
+        else:
+            return module
+        if not isinstance(inner, nn.Module) or inner is module:
+            return module
+        module = inner
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
     # transformers' PreTrainedModel defines loss_function as a property (without importing transformers here)
-    return any(isinstance(vars(base).get("loss_function"), property) for base in cls.__mro__)
+    return any(isinstance(vars(base).get("loss_function"), property) for base in type(module).__mro__)
 
 
 on_first_instance(install)

@@ -35,6 +35,7 @@ from ..options import LossOptions, check_supported
 from . import deepspeed as deepspeed_integration
 from . import peft as peft_integration
 from . import trl as trl_integration
+from .hf_assign import inner_model
 from .hf_config import model_options, unsupported
 from .hf_forward import FusedCall
 from .hf_loss import causal_lm_loss
@@ -134,11 +135,12 @@ def unpatch(model: nn.Module) -> nn.Module:
     return model
 
 
-def patched_options(model: nn.Module) -> LossOptions:
-    """The options a patched model trains with (its FusedLMLoss's, with the model's softcap / logit scale)."""
+def patched_options(model: nn.Module) -> LossOptions | None:
+    """The options a patched model trains with (its FusedLMLoss's, with the model's softcap / logit scale); None
+    while another callable is its loss_function (it computes logits then, as unpatched)."""
     state = getattr(_causal_lm(model), _STATE_ATTR, None)
-    if state is None or state.fused_options is None:
-        raise RuntimeError(f"{type(model).__name__} is not patched with a FusedLMLoss")
+    if state is None:
+        raise RuntimeError(f"{type(model).__name__} is not patched by fused_lm_loss")
     return state.fused_options
 
 
@@ -208,6 +210,12 @@ def _loss_function_get(self: nn.Module) -> Any:
     return state.original_class.loss_function.__get__(self)
 
 
+def _setstate(self: nn.Module, state: dict) -> None:
+    """A copy of a patched model (copy.deepcopy) is patched as the original is: TRL's head must find it too."""
+    state[_STATE_ATTR].original_class.__setstate__(self, state)
+    trl_integration.register(self, patched_options)
+
+
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
     if name == "loss_function":
         self.__dict__[_STATE_ATTR].assign(self, value)
@@ -226,6 +234,7 @@ def _swapped_class(cls: type) -> type:
                 "__qualname__": cls.__qualname__,
                 "loss_function": property(_loss_function_get),  # assignment goes through __setattr__
                 "__setattr__": _setattr,
+                "__setstate__": _setstate,
             },
         )
     return _SWAPPED_CLASSES[cls]
@@ -366,7 +375,5 @@ def _check_structure(model: nn.Module) -> None:
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel, or the model itself."""
-    if hasattr(model, "get_base_model") and type(model).__module__.startswith("peft."):
-        return model.get_base_model()
-    return model
+    """The transformers model inside a peft wrapper or DDP (``hf_assign.inner_model``), or the model itself."""
+    return inner_model(model)

@@ -99,15 +99,15 @@ def _install_divergence() -> None:
 
 
 def _owner(weight: torch.Tensor):
-    """The patched model whose lm_head weight this is, or None. Under FSDP2 TRL passes the gathered full tensor
-    of the DTensor parameter: that one is matched by its global shape and dtype."""
-    for model in list(_patched_models):
-        head = model.get_output_embeddings()
-        own = getattr(head, "weight", None)
-        if own is weight:
-            return model
-        if _is_dtensor(own) and tuple(own.shape) == tuple(weight.shape) and own.dtype == weight.dtype:
-            return model
+    """The patched model whose lm_head weight this is, or None (also while another callable than a FusedLMLoss is
+    its loss_function: it computes logits then, as unpatched, and TRL's own head serves it). Under FSDP2 TRL passes
+    the gathered full tensor of the DTensor parameter: that one is matched by its global shape and dtype."""
+    for model, options_of in list(_patched_models.items()):
+        own = getattr(model.get_output_embeddings(), "weight", None)
+        ours = own is weight or (_is_dtensor(own) and tuple(own.shape) == tuple(weight.shape)
+                                 and own.dtype == weight.dtype)
+        if ours:
+            return model if options_of(model) is not None else None
     return None
 
 

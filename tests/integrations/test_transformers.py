@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,6 +211,48 @@ def test_other_callable_loss_function_gets_logits():
     model.loss_function = my_loss
     out = model(**make_batch())
     assert seen == [(2, 12, VOCAB)] and out.logits is not None
+
+
+def test_an_unpickled_loss_assigned_takes_effect():
+    """A FusedLMLoss that arrives pickled (torch.load, another process) is made without __init__: in a fresh
+    interpreter that never built one, assigning it still patches the model (the hook is installed on unpickling)."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "from tests.integrations.hf_models import make_model\n"
+        "from fused_lm_loss.integrations.hf_patch import is_patched, patched_options\n"
+        "model = make_model()\n"
+        "model.loss_function = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(is_patched(model), patched_options(model).label_smoothing)\n"
+    )
+    pickled = pickle.dumps(FusedLMLoss(label_smoothing=0.3))
+    run = subprocess.run([sys.executable, "-c", code], input=pickled, capture_output=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.stdout.decode().split() == ["True", "0.3"], run.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize("wrapper", ["lora_model", "data_parallel"])
+def test_loss_assigned_through_a_wrapper_takes_effect(wrapper):
+    """``wrapper.loss_function = FusedLMLoss(...)`` on peft's tuner (LoraModel, what ``peft_model.base_model`` is)
+    or on torch's DataParallel reaches the transformers model inside, not a child module nobody calls."""
+    model = make_model()
+    ref = twin(model)
+    if wrapper == "lora_model":
+        import peft
+
+        outer = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        ref = peft.get_peft_model(ref, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        ref.load_state_dict(outer.state_dict())
+        wrapped = outer.base_model
+    else:
+        outer = wrapped = torch.nn.DataParallel(model)
+    wrapped.loss_function = FusedLMLoss(label_smoothing=0.3)
+    assert fused_lm_loss.integrations.is_patched(model)
+    batch = make_batch()
+    assert rel_err(outer(**batch).loss.detach(), _smoothed_reference(ref, batch, 0.3).detach()) <= 2e-4
 
 
 def test_contradicting_softcap_is_rejected():

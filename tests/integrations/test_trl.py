@@ -188,6 +188,29 @@ def test_unpatched_models_keep_trls_own_head(monkeypatch):
         assert rel_err(out[0], want) <= 1e-6 and len(calls) == expected_calls
 
 
+def test_copies_and_reassigned_losses_route_trls_head_as_the_model_trains(monkeypatch):
+    """A deepcopy of a patched model (a reference model) runs our kernels under TRL's head as the original does;
+    a patched model whose loss_function is another callable (it computes logits, as unpatched) gets TRL's own."""
+    import copy
+
+    patched = fused_lm_loss.patch(make_model("llama"))
+    clone = copy.deepcopy(patched)
+    reassigned = fused_lm_loss.patch(make_model("llama", seed=1))
+    reassigned.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    calls = []
+    original = trl_integration.token_stats_with
+    monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
+    hidden, targets = torch.randn(10, 32), torch.randint(0, VOCAB, (10,))
+    for model, ours in ((clone, 1), (reassigned, 0)):
+        w = model.get_output_embeddings().weight
+        out = _ChunkedLogProbFunction.apply(hidden, w, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "entropy"))
+        want = torch.log_softmax(hidden @ w.T, -1).gather(1, targets[:, None]).squeeze(1)
+        assert rel_err(out[0], want) <= 1e-6 and len(calls) == ours
+        calls.clear()
+
+
 def test_outputs_we_do_not_compute_fall_back_with_a_warning_per_trainer(monkeypatch):
     """An output we do not compute (one a later TRL might add) runs TRL's own head, with a warning that names the
     output and the trainer: once per trainer and reason, so that one trainer's warning does not silence another's."""
