@@ -14,12 +14,7 @@ factor = scale / T, cap = softcap / T, u_per_x = factor / cap), and reach the ke
 rounded to fp32 only at the launch: checked against exact rational arithmetic, and on the launchers' arguments.
 """
 import importlib
-import json
-import os
-import subprocess
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +25,7 @@ from fused_lm_loss.loss_terms import LossTerms
 from fused_lm_loss.transform import LogitTransform
 
 from ..conftest import requires_triton
+from .compile_sm90 import run_script
 
 pytestmark = requires_triton
 
@@ -142,33 +138,9 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def _triton_compiles_for_sm90_here() -> str | None:
-    """Why the compile test cannot run with this Triton, or None."""
-    try:
-        import inspect
-
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError as error:
-        return f"this Triton lacks {error.name}"
-    if "constexprs" not in inspect.signature(ASTSource).parameters:
-        return "this Triton's ASTSource predates the constexprs= signature (triton < 3.3)"
-    return None
-
-
 def test_kernels_compile_with_fp64_scalars_and_compute_in_fp32():
-    reason = _triton_compiles_for_sm90_here()
-    if reason:
-        pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_AND_READ_IR], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
-    if run.returncode != 0 or not lines:
-        pytest.fail(f"the compile script failed:\n{run.stderr[-4000:]}")
-    results = json.loads(lines[0][len("RESULTS "):])
+    pytest.importorskip("triton.tools.tensor_descriptor")  # (matmul_stats' TMA descriptors)
+    results = run_script(_COMPILE_AND_READ_IR)
     assert len(results) == 15  # every kernel of the script's KERNELS
     for result in results:
         assert result["floats"], result  # the kernel has float scalars, and they were fp64

@@ -11,10 +11,6 @@ barriers of the TTGIR. The last one checks the launcher asks for the barrier exa
 memory.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ import torch
 from fused_lm_loss.kernels.args import shares_memory
 
 from ..conftest import requires_triton
+from .compile_sm90 import run_script
 
 _COMPILE = r"""
 import importlib, json, re, sys
@@ -72,33 +69,9 @@ KERNELS = [  # (module, kernel, constexprs, G's dtype)
 ]
 
 
-def _why_not_here() -> str | None:
-    try:
-        import inspect
-
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource
-    except ImportError as error:
-        return f"this Triton lacks {error.name}"
-    if "constexprs" not in inspect.signature(ASTSource).parameters:  # (and its attrs as a dict)
-        return "this Triton's ASTSource predates the constexprs= signature (triton < 3.3)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    reason = _why_not_here()
-    if reason:
-        pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(KERNELS)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
-    if run.returncode != 0 or not lines:
-        pytest.fail(f"the compile script failed:\n{run.stderr[-4000:]}")
-    return json.loads(lines[0][len("RESULTS "):])
+    return run_script(_COMPILE, json.dumps(KERNELS))
 
 
 def test_in_place_gradients_load_and_store_each_element_in_one_thread(compiled):
