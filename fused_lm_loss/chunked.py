@@ -109,13 +109,13 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
     come back as a new contiguous int64 tensor, which is all that any later kernel sees. One host sync (the row
     count sizes the chunks; a bad label must raise here, not in a kernel), after one kernel that finds the rows,
     their labels and the label range (kernels/select_rows.py). With vocab parallelism the ranks then compare
-    their layouts and label counts (``Shard.check_layout``), before any of them raises for a label.
+    their layouts, options and labels (``Shard.check_layout``), before any of them raises for a label.
     """
     if labels.numel() == 0:
         return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0, total=0)
     positions, targets, summary = backend.select_rows(labels, ignore_index)
     count, lowest, highest = summary.tolist()
-    shard.check_layout(labels.numel(), count, labels.device)
+    shard.check_layout(labels, count, lowest, highest)
     if lowest < 0 or highest >= shard.total:
         out_of_range = (labels != ignore_index) & ((labels < 0) | (labels >= shard.total))
         examples = labels[out_of_range][:5].tolist()

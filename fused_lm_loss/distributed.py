@@ -45,7 +45,8 @@ Example (2 ranks, each holding half of a 32000-row lm_head)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ class Shard:
     merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
     reduce_grad_input: bool = True  # sum the partial dX over the group (else each rank keeps its partial)
     hidden_size: int = 0
+    options_key: int = 0  # a checksum of the options that shape the chunks and collectives (compared by check_layout)
 
     @classmethod
     def whole(cls, vocab: int) -> "Shard":
@@ -89,22 +91,26 @@ class Shard:
             start, total = opts.vocab_start, opts.vocab_size
         return cls(
             start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0,
-            reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1],
+            reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1], options_key=_options_key(opts),
         )
 
-    def check_layout(self, n_labels: int, n_selected: int, device: torch.device) -> None:
-        """With a process group: all-gather each rank's (start, size, total, hidden size, label counts) and raise
-        on every rank alike (a collective; nothing without a group).
+    def check_layout(self, labels: torch.Tensor, n_selected: int, lowest: int, highest: int) -> None:
+        """With a process group: all-gather each rank's (start, size, total, hidden size, options, label counts,
+        range and checksum) and raise on every rank alike (a collective; nothing without a group).
 
-        Everything later (the number of chunks, hence of collectives) follows from these numbers, so
-        once they agree the ranks cannot fall out of step.
+        The number of chunks, hence of collectives, follows from these numbers and from the shard width that
+        every rank shares (``chunk_vocab``), so once they agree the ranks cannot fall out of step; the labels'
+        checksum (sum_i (i + 1) label_i, int64) also catches labels that differ with the same counts, which
+        would give each rank a different, wrong loss. (Differing hidden states are not checked.)
         """
         if self.group is None:
             return
         import torch.distributed as dist
 
-        mine = torch.tensor([self.start, self.size, self.total, self.hidden_size, n_labels, n_selected],
-                            dtype=torch.int64).to(device)  # (on the labels' device, as the group's backend needs)
+        header = torch.tensor([self.start, self.size, self.total, self.hidden_size, self.options_key,
+                               labels.numel(), n_selected, lowest, highest], dtype=torch.int64).to(labels.device)
+        order = torch.arange(1, labels.numel() + 1, dtype=torch.int64, device=labels.device)
+        mine = torch.cat([header, (labels.to(torch.int64) * order).sum().view(1)])  # (the labels' device: the group's)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         layout = [t.tolist() for t in gathered]  # one host sync
@@ -122,10 +128,13 @@ class Shard:
             raise ValueError(f"vocab shards must tile [0, {self.total}) without gaps or overlaps, got {shards}")
         if len({row[3] for row in layout}) > 1:
             raise ValueError(f"ranks disagree on the hidden size: {[row[3] for row in layout]}")
-        if len({(row[4], row[5]) for row in layout}) > 1:
+        if len({row[4] for row in layout}) > 1:
+            raise ValueError("vocab parallelism needs the same loss options on every rank (reduction, chunk_size, "
+                             "label_smoothing, ...): they differ between ranks")
+        if len({tuple(row[5:]) for row in layout}) > 1:
             raise ValueError(
-                "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored) "
-                f"counts per rank: {[(row[4], row[5]) for row in layout]}"
+                "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored, "
+                f"lowest, highest, checksum) per rank: {[tuple(row[5:]) for row in layout]}"
             )
 
     @property
@@ -185,3 +194,13 @@ def group_name(group: Any) -> str | None:
 def group_of(name: str | None) -> Any:
     """The process group registered under ``name`` by ``group_name``."""
     return None if name is None else _groups[name]
+
+
+#: the options every rank must share beyond the vocabulary layout (all but the host-side scaler, the group, the class
+#: weights, which vocab parallelism refuses, and the layout that check_layout compares by itself)
+_NOT_IN_KEY = ("grad_scaler", "process_group", "class_weight", "vocab_start", "vocab_size")
+
+
+def _options_key(opts: LossOptions) -> int:
+    values = tuple((f.name, getattr(opts, f.name)) for f in fields(opts) if f.name not in _NOT_IN_KEY)
+    return zlib.crc32(repr(values).encode())

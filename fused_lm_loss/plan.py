@@ -169,9 +169,11 @@ def make_plan(
     operands = head.stats_operands
     need_argmax = epilogue_stats and opts.return_token_accuracy
     assert not (kept_logits == "store" and components)
+    # (not with a process group: whether the epilogue serves depends on this rank's weight, and so would the number
+    # of chunks, which every rank must share)
     stats_in_matmul = (
         kept_logits is None and epilogue_stats and not needs.any() and operands is not None and class_weight is None
-        and not need_argmax and backend.supports_stats_in_matmul(*operands)
+        and not need_argmax and shard.group is None and backend.supports_stats_in_matmul(*operands)
     )
     transform = opts.transform.without_model_part() if head.transformed else opts.transform
     # the plain loss only: the epilogue applies no bias or transform and sums no logits or class weights, and the
@@ -201,11 +203,12 @@ def make_plan(
         bytes_per_row = shard.chunk_vocab * per_logit + row_bytes
         accumulates_wide = needs.weight and weight is not None and accum_dtype != weight_dtype
         accumulator_bytes = result_bytes = 0
+        weight_elements = shard.chunk_vocab * weight.shape[1] if weight is not None else 0  # (the same on every rank)
         if wide_dw:  # the saved dW holds its extra bytes over the returned dtype: the chunk may take them
-            accumulator_bytes = result_bytes = weight.numel() * (accum_dtype.itemsize - weight_dtype.itemsize)
+            accumulator_bytes = result_bytes = weight_elements * (accum_dtype.itemsize - weight_dtype.itemsize)
         elif accumulates_wide:
-            accumulator_bytes = weight.numel() * accum_dtype.itemsize
-            result_bytes = weight.numel() * weight_dtype.itemsize
+            accumulator_bytes = weight_elements * accum_dtype.itemsize
+            result_bytes = weight_elements * weight_dtype.itemsize
         # The kept logits already hold N x V: their G takes no chunk of all rows beyond the budget (that chunk
         # would hold the accumulator's or the returned dW's bytes while dW is written), so tiles or chunks
         chunk_extra = (0, 0) if kept_logits == "reuse" else (accumulator_bytes, result_bytes)
@@ -285,7 +288,7 @@ def saves_weight_grad_wide(
     the accumulator's memory (a single dW matmul, rounded once: exact when grad_output / scaling is 1).
     """
     wide = saved_grad_dtype(opts, weight.dtype)
-    extra = weight.numel() * (wide.itemsize - weight.dtype.itemsize)
+    extra = chunk_vocab * weight.shape[1] * (wide.itemsize - weight.dtype.itemsize)  # (the same on every rank)
     return extra > 0 and n_tokens * chunk_vocab * per_logit <= LOGITS_BUDGET_BYTES + extra
 
 

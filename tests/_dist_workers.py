@@ -108,7 +108,8 @@ CASES_2 = [
     Case("functional", functional=True, options=dict(z_loss=0.01, reduction="sum"), seed=9),
     Case("triton", backend="triton", options=dict(FEATURES, chunk_size=5), bias=True, seed=10),
     Case("triton_none", backend="triton", options=dict(FEATURES, reduction="none"), seed=11),
-    # fp16 Triton forward without gradients (reduction="none"): statistics from the matmul epilogue, then merged
+    # fp16 Triton forward without gradients (reduction="none"): the statistics merged across ranks (from the logits
+    # chunk: with a process group the plan never takes the matmul epilogue, whose support is per rank's weight)
     Case("triton_fp16_epilogue", backend="triton", dtype=torch.float16, options=dict(FEATURES, reduction="none"),
          bias=True, seed=14),
     Case("bf16", dtype=torch.bfloat16, options=dict(label_smoothing=0.1, chunk_size=8), bias=True, seed=12),
@@ -256,6 +257,13 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     not_replicated = labels.clone()
     if rank == 1:
         not_replicated[labels != IGNORE] = IGNORE
+    shifted = labels.clone()  # the same counts and range, other classes
+    if rank == 1:
+        kept = labels != IGNORE
+        shifted[kept] = shifted[kept].roll(1)
+    out_of_range_on_one_rank = labels.clone()
+    if rank == 1:
+        out_of_range_on_one_rank[1, 1] = case.vocab
     mine = slice(rank * size, (rank + 1) * size)
     start_overlap, v = rank * (size - 2), case.vocab
     errors = {
@@ -267,6 +275,10 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
         # rank 0 holds one row less: row size - 1 is nobody's
         "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=rank * size, vocab_size=v),
         "labels_not_replicated": attempt(mine, not_replicated),
+        "labels_differ_same_counts": attempt(mine, shifted),
+        "label_out_of_range_on_one_rank": attempt(mine, out_of_range_on_one_rank),
+        "options_differ": attempt(mine, labels, **({"label_smoothing": 0.1} if rank == 1 else {})),
+        "chunk_size_differs": attempt(mine, labels, chunk_size=3 + rank),
     }
     errors["dtensor_weight"] = _dtensor_weight_error(data, world)
     # The ranks are still in step: a correct call afterwards works.

@@ -434,3 +434,30 @@ def test_vocab_tiling_picks_the_least_gradient_traffic(monkeypatch):
                 assert traffic(rows, cols) <= traffic(r, c), (n_rows, vocab, k)
     # all rows in one chunk with whole rows: nothing to tile (make_plan does not ask)
     assert plan.vocab_tiling(10, 50, 4, 0, 10, 4, 4, 0) == (10, 50)
+
+
+@pytest.mark.parametrize("dtype, accum_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, None),
+                                                (torch.float32, torch.float32)])
+@pytest.mark.parametrize("tokens", [300, 1810, 4000])
+def test_unequal_vocab_shards_plan_the_same_chunks(monkeypatch, dtype, accum_dtype, tokens):
+    """Vocab parallelism: every rank must run as many chunks as the others (each chunk merges statistics
+    across the group), so the plan sizes them from numbers all ranks share (the shard width ceil(V / ranks)),
+    not from this rank's own weight: unequal shards (18000 and 2000 rows of 20000) once planned 1 and 2 chunks
+    and the collectives fell out of step. The budget is shrunk so that the accumulator terms decide."""
+    from fused_lm_loss.chunked import LinearHead, label_ids, select_rows
+    from fused_lm_loss.distributed import Shard
+    from fused_lm_loss.options import LossOptions
+    from fused_lm_loss.plan import GradNeeds
+
+    monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", 2**20)
+    vocab, hidden_size = 20000, 64
+    opts, backend = LossOptions(accum_dtype=accum_dtype), torch_backend
+    hidden, labels = torch.randn(tokens, hidden_size, dtype=dtype), torch.randint(0, vocab, (tokens,))
+    plans = []
+    for start, size in ((0, 18000), (18000, 2000)):
+        shard = Shard(start, size, vocab, group=object(), world_size=2, hidden_size=hidden_size)
+        rows = select_rows(label_ids(labels), -100, Shard.whole(vocab), backend)
+        head = LinearHead(hidden, torch.randn(size, hidden_size, dtype=dtype), None, None)
+        plans.append(plan.make_plan(opts, backend, shard, rows, head, needs=GradNeeds(hidden=True, weight=True),
+                                    grad_scale=1.0))
+    assert plans[0].chunk_rows == plans[1].chunk_rows, [(p.chunk_rows, p.n_rows) for p in plans]

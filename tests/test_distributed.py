@@ -140,6 +140,10 @@ def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
         "overlap": "without gaps or overlaps",
         "gap": "without gaps or overlaps",
         "labels_not_replicated": "same labels",
+        "labels_differ_same_counts": "same labels",
+        "label_out_of_range_on_one_rank": "same labels",
+        "options_differ": "same loss options",
+        "chunk_size_differs": "same loss options",
         "dtensor_weight": "weight is a DTensor",
     }
     for key, fragment in expected.items():
