@@ -154,6 +154,8 @@ def resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> 
     """(scale tensor or None, scaling): ``scaling`` if given, else the GradScaler's current scale (its tensor,
     read inside the operator, so that no host sync happens here), else 1."""
     if isinstance(scaling, torch.Tensor):
+        if scaling.numel() != 1:
+            raise ValueError(f"scaling must hold one number, got a tensor of shape {tuple(scaling.shape)}")
         return scaling, 1.0
     if scaling is not None:
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:

@@ -60,8 +60,9 @@ class LossOptions:
     keep_logits: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int) or not (
+                -(2**63) <= self.ignore_index < 2**63):
+            raise ValueError(f"ignore_index must be an int64, got {self.ignore_index!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         _check_real("label_smoothing", self.label_smoothing)
@@ -99,6 +100,9 @@ class LossOptions:
             weight = self.class_weight
             if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
                 raise ValueError(f"class_weight must be a 1-d float tensor of one weight per class, got {weight!r}")
+            if weight.requires_grad:  # (F.cross_entropy would differentiate it; this loss does not)
+                raise ValueError("class_weight requires grad, but the fused loss gives the class weights no gradient: "
+                                 "pass class_weight.detach()")
         for name in ("reduce_grad_input", "return_z_loss", "return_token_accuracy", "keep_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

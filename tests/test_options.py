@@ -24,6 +24,8 @@ BAD_OPTIONS = [
     ({"logit_scale": 0.0}, "logit_scale"),
     ({"logit_scale": float("inf")}, "logit_scale"),
     ({"ignore_index": 1.0}, "ignore_index"),
+    ({"ignore_index": 2**63}, "ignore_index"),
+    ({"class_weight": torch.ones(5, requires_grad=True)}, "class_weight requires grad"),
     ({"accum_dtype": torch.int32}, "accum_dtype"),
     ({"logits_dtype": torch.bfloat16}, "logits_dtype"),
     ({"grad_scaler": object()}, "grad_scaler"),
@@ -81,6 +83,8 @@ def test_bad_scaling_and_num_items():
     hidden, weight, labels, _ = _good()
     with pytest.raises(ValueError, match="scaling"):
         FusedLMLoss()(hidden, weight, labels, scaling=-1.0)
+    with pytest.raises(ValueError, match="scaling must hold one number"):
+        FusedLMLoss()(hidden, weight, labels, scaling=torch.ones(2))
     with pytest.raises(ValueError, match="num_items_in_batch"):
         FusedLMLoss()(hidden, weight, labels, num_items_in_batch=0)
     with pytest.raises(ValueError, match="num_items_in_batch"):  # transformers' signature, on logits
