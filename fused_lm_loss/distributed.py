@@ -66,7 +66,7 @@ class Shard:
     merge_logit_sum: bool = True  # label smoothing needs the sum of the logits over the whole vocabulary
     reduce_grad_input: bool = True  # sum the partial dX over the group (else each rank keeps its partial)
     hidden_size: int = 0
-    options_key: int = 0  # a checksum of the options that shape the chunks and collectives (compared by check_layout)
+    options_key: int = 0  # a checksum of the options and gradients that shape the chunks and collectives
 
     @classmethod
     def whole(cls, vocab: int) -> "Shard":
@@ -74,8 +74,9 @@ class Shard:
         return cls(start=0, size=vocab, total=vocab)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, opts: LossOptions) -> "Shard":
-        """This rank's shard of the vocabulary (``check_layout`` then compares it across ranks)."""
+    def of(cls, weight: torch.Tensor, opts: LossOptions, needs: tuple = ()) -> "Shard":
+        """This rank's shard of the vocabulary (``check_layout`` then compares it, the options and the gradients
+        the call makes, ``needs``, across ranks)."""
         size = weight.shape[0]
         if opts.process_group is None:
             return cls.whole(size)
@@ -91,7 +92,8 @@ class Shard:
             start, total = opts.vocab_start, opts.vocab_size
         return cls(
             start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0,
-            reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1], options_key=_options_key(opts),
+            reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1],
+            options_key=_options_key(opts, needs),
         )
 
     def check_layout(self, labels: torch.Tensor, n_selected: int, lowest: int, highest: int) -> None:
@@ -130,7 +132,7 @@ class Shard:
             raise ValueError(f"ranks disagree on the hidden size: {[row[3] for row in layout]}")
         if len({row[4] for row in layout}) > 1:
             raise ValueError("vocab parallelism needs the same loss options on every rank (reduction, chunk_size, "
-                             "label_smoothing, ...): they differ between ranks")
+                             "label_smoothing, ...) and the same inputs requiring grad: they differ between ranks")
         if len({tuple(row[5:]) for row in layout}) > 1:
             raise ValueError(
                 "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored, "
@@ -201,6 +203,6 @@ def group_of(name: str | None) -> Any:
 _NOT_IN_KEY = ("grad_scaler", "process_group", "class_weight", "vocab_start", "vocab_size")
 
 
-def _options_key(opts: LossOptions) -> int:
+def _options_key(opts: LossOptions, needs: tuple) -> int:
     values = tuple((f.name, getattr(opts, f.name)) for f in fields(opts) if f.name not in _NOT_IN_KEY)
-    return zlib.crc32(repr(values).encode())
+    return zlib.crc32(repr((values, tuple(map(bool, needs)))).encode())

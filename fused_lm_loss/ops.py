@@ -109,7 +109,7 @@ def linear_cross_entropy(
     scaling = gradient_scale(scale, scaling)
     grad_needs = GradNeeds(*needs)
     head, rows, backend, shard = linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
-                                             KeptLogits.of(kept_logits, "store"))
+                                             KeptLogits.of(kept_logits, "store"), needs)
     terms = loss_terms(opts, shard, device)
 
     if opts.reduction == "none":  # per-token grad_output is unknown until backward: save lse, recompute then
@@ -193,7 +193,7 @@ def linear_cross_entropy_backward(
     from the forward's lse and its kept logits, or (``kept_logits`` (0,)) recomputing the logits chunk by chunk
     from the saved inputs; (0,) where not needed."""
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "reuse"))
+    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "reuse"), needs)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs),
                      terms=loss_terms(opts, shard, hidden.device), vocab_tiles=True)
     row_scale = rows.take(grad_per_token.reshape(-1).float())

@@ -185,15 +185,17 @@ def kept_logits_spec(opts: LossOptions, recomputes: bool, hidden: Tensor, weight
 
 
 def linear_call(opts: LossOptions, hidden: Tensor, weight: Tensor, bias: Tensor | None, low_rank_input: Tensor | None,
-                low_rank_weight: Tensor | None, labels: Tensor, kept_logits: KeptLogits | None = None):
-    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the selected rows."""
+                low_rank_weight: Tensor | None, labels: Tensor, kept_logits: KeptLogits | None = None,
+                needs: Sequence[bool] = ()):
+    """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the selected rows.
+    ``needs``: the gradients the call makes (with vocab parallelism every rank must make the same ones)."""
     labels = label_ids(labels)
     n = labels.numel()  # not -1: hidden may have 0 columns (the logits are then the bias, as in F.linear)
     low_rank = None
     if low_rank_input is not None:
         low_rank = (low_rank_input.reshape(n, low_rank_input.shape[-1]), low_rank_weight)
     backend = get_backend(hidden.device)
-    shard = distributed.Shard.of(weight, opts)
+    shard = distributed.Shard.of(weight, opts, needs)
     rows = select_rows(labels, opts.ignore_index, shard, backend)
     return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank, kept_logits), rows, backend, shard
 

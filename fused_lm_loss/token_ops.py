@@ -100,7 +100,7 @@ def linear_token_stats(
     specs = token_outputs(opts, needs, expected_grads, *asked, *inputs, labels)
     device, kept_logits = hidden.device, allocate(specs[-1:], hidden.device)[0]
     made = components(needs, expected_grads)
-    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "store"))
+    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "store"), needs)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if made else GradNeeds(),
                      components=len(made), epilogue_stats=False)
     unit = mean_nll_weight(rows.count)
@@ -165,7 +165,7 @@ def linear_token_stats_backward(
     recomputing the rest from the logits kept in forward (``kept_logits``), or else from the inputs (see
     ``per_token.py``)."""
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
-    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "reuse"))
+    head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "reuse"), needs)
     a = None if grad_logprobs is None else rows.take(grad_logprobs.reshape(-1).float())
     b = None if grad_entropy is None else rows.take(grad_entropy.reshape(-1).float())
     has_lp = any(g.numel() for g in logprob_grads)

@@ -243,10 +243,11 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     size = case.vocab // world
     group = dist.group.WORLD
 
-    def attempt(weight_rows: slice, labels: torch.Tensor, **options: Any) -> str:
+    def attempt(weight_rows: slice, labels: torch.Tensor, grad: bool = False, **options: Any) -> str:
         weight = data["weight"][weight_rows].float()
+        hidden = data["hidden"].float().requires_grad_(grad)
         try:
-            fused_lm_loss.FusedLMLoss(process_group=group, **options)(data["hidden"].float(), weight, labels)
+            fused_lm_loss.FusedLMLoss(process_group=group, **options)(hidden, weight, labels)
         except ValueError as error:
             return str(error)
         return "no error"
@@ -279,6 +280,7 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
         "label_out_of_range_on_one_rank": attempt(mine, out_of_range_on_one_rank),
         "options_differ": attempt(mine, labels, **({"label_smoothing": 0.1} if rank == 1 else {})),
         "chunk_size_differs": attempt(mine, labels, chunk_size=3 + rank),
+        "grad_on_one_rank": attempt(mine, labels, grad=rank == 1),
     }
     errors["dtensor_weight"] = _dtensor_weight_error(data, world)
     # The ranks are still in step: a correct call afterwards works.

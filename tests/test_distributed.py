@@ -144,6 +144,7 @@ def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
         "label_out_of_range_on_one_rank": "same labels",
         "options_differ": "same loss options",
         "chunk_size_differs": "same loss options",
+        "grad_on_one_rank": "same inputs requiring grad",
         "dtensor_weight": "weight is a DTensor",
     }
     for key, fragment in expected.items():
