@@ -152,8 +152,8 @@ def hopper_path_serves() -> bool:
     supported = getattr(getattr(fused_lm_loss, "exp_epilogue", None), "supported", None)  # (not before session 14)
     if DEVICE != "cuda" or supported is None:
         return False
-    probe = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE), torch.zeros(384, 64, dtype=torch.bfloat16, device=DEVICE)
-    return supported(*probe)
+    hidden = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    return supported(hidden, torch.zeros(384, 64, dtype=torch.bfloat16, device=DEVICE))
 
 
 def impl_fused_compiled():

@@ -66,7 +66,8 @@ def test_matches_float64_reference(backend, kind, reduction, student):
     for t in (sw, sb):
         t.requires_grad_(student != "frozen_head")
     out = fused_divergence(sh, sw, th, tw, labels, student_bias=sb, teacher_bias=tb, kind=kind,
-                           beta=0.3 if kind == "jsd" else None, reduction=reduction, chunk_size=5, return_entropy=True, **transforms)
+                           beta=0.3 if kind == "jsd" else None, reduction=reduction, chunk_size=5,
+                           return_entropy=True, **transforms)
     weights = torch.randn(N) if reduction == "none" else None
     (out.divergence if weights is None else (out.divergence * weights).sum()).backward()
     selected = labels != -100

@@ -132,7 +132,8 @@ def checked_model_loss(
     if not torch.allclose(observed, expected.expand_as(observed), rtol=rtol, atol=0.0):
         raise RuntimeError(
             f"fused_lm_loss: {model_name} transforms its lm_head output in a way that logit_scale={logit_scale}, "
-            f"softcap={softcap} (read from its config at patch()) does not reproduce: the probe {list(_PROBE_VALUES)} became "
+            f"softcap={softcap} (read from its config at patch()) does not reproduce: the probe "
+            f"{list(_PROBE_VALUES)} became "
             f"{[round(v, 4) for v in observed[0].tolist()]}, not {[round(v, 4) for v in expected.tolist()]}. If its "
             "config changed after patch() (e.g. final_logit_softcapping), unpatch and patch it again; otherwise this "
             "model is not supported by patch()"
