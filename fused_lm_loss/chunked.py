@@ -350,6 +350,8 @@ class LinearHead:
     # the loop
     def start(self, plan: Plan, rows: Rows) -> None:
         self.plan, self.rows = plan, rows
+        if plan.kept_logits == "store":  # rows past the selected ones hold no logits: zeros, not uninitialized memory
+            self.kept_logits.tensor[rows.count:].zero_()
         self.buffers = _chunk_buffers(
             plan.chunk_rows, plan.tile_cols if plan.tiled else self.weight.shape[0], plan.logits_dtype, plan.matmul_dtype,
             plan.split_grad, plan.grad_components, self.device, logits_elsewhere=plan.kept_logits is not None,

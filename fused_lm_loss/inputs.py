@@ -9,12 +9,11 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from .options import MATMUL_DTYPES, LossOptions
+from .options import MATMUL_DTYPES, LossOptions, is_finite
 
 
 def linear_inputs(
@@ -158,15 +157,17 @@ def resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> 
             raise ValueError(f"scaling must hold one number, got a tensor of shape {tuple(scaling.shape)}")
         return scaling, 1.0
     if scaling is not None:
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling < 0:
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not is_finite(scaling) or scaling < 0:
             raise ValueError(f"scaling must be a finite number >= 0, got {scaling!r}")
         return None, float(scaling)
     scaler = opts.grad_scaler
     if scaler is None:
         return None, 1.0
-    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None  # torch.amp.GradScaler
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0
+    if isinstance(scaler, torch.amp.GradScaler):  # read as attributes: torch.compile traces no call into torch.amp
+        if isinstance(scaler._scale, torch.Tensor):
+            return scaler._scale, 1.0
+        # before its first scale(): that call will scale by init_scale (by 1 when disabled), as get_scale() says
+        return None, float(scaler._init_scale) if scaler._enabled else 1.0
     return None, float(scaler.get_scale())
 
 

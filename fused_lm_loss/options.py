@@ -205,8 +205,14 @@ def operator_fields() -> list[tuple[str, str | None, Any]]:
 
 
 def _check_real(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def is_finite(value: float) -> bool:
+    """math.isfinite in comparisons, which torch.compile traces for a float it made symbolic (a changing
+    temperature or scaling), where math.isfinite breaks the graph."""
+    return value == value and value not in (math.inf, -math.inf)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossOptions)}

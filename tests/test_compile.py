@@ -241,3 +241,32 @@ def test_every_token_stats_output_is_right_under_compile():
         for g, p in zip(got_grads, step.parameters()):
             assert rel_err(g, p.grad) <= 1e-5
         step.zero_grad(set_to_none=True)
+
+
+def test_changing_float_options_and_a_grad_scaler_compile_fullgraph():
+    """A temperature / z-loss schedule or a Python-float scaling that changes between steps (torch.compile makes
+    the float symbolic on its second value) and a GradScaler's scale (read as its attributes, before and after its
+    first scale()) compile with fullgraph=True and give eager's numbers."""
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    (x, y), = _batches(1)
+
+    def step(h, w, labels, temperature, scaling):
+        return fused_linear_cross_entropy(h, w, labels, temperature=temperature, z_loss=temperature / 100,
+                                          scaling=scaling)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for temperature, scaling in ((0.7, 1024.0), (0.9, 512.0), (1.3, 2.0)):
+        got, want = compiled(hidden, weight, y, temperature, scaling), step(hidden, weight, y, temperature, scaling)
+        assert rel_err(got, want) <= 1e-6
+    for first_step in (True, False):
+        scaler = torch.amp.GradScaler(TEST_DEVICE, init_scale=256.0)
+        if not first_step:
+            scaler.scale(torch.ones((), device=TEST_DEVICE))  # its scale tensor now exists
+        loss_fn = FusedLMLoss(grad_scaler=scaler)
+        torch._dynamo.reset()
+        loss = torch.compile(lambda h, w: loss_fn(h, w, y), backend="aot_eager", fullgraph=True)(hidden, weight)
+        hidden.grad = weight.grad = None
+        scaler.scale(loss).backward()
+        expected, grads = reference_loss(hidden, weight, y)
+        assert rel_err(loss, expected) <= 1e-5 and rel_err(hidden.grad, 256.0 * grads["hidden"]) <= 1e-5

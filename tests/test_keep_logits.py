@@ -245,3 +245,35 @@ def test_keep_logits_must_be_a_bool(value):
     hidden, weight, labels, _ = make_inputs(5, H, V)
     with pytest.raises(ValueError, match="keep_logits must be True or False"):
         token_stats(hidden, weight, labels, keep_logits=value)
+
+
+@pytest.mark.parametrize("op", ["loss", "token_stats"])
+def test_kept_logits_past_the_selected_rows_are_zeros(monkeypatch, op):
+    """The kept logits hold the selected rows first; the rows past them (ignored tokens) are zeros, not the
+    uninitialized memory they are allocated as (an operator's outputs must not depend on it: opcheck's
+    aot_dispatch test compares two calls). Allocations are poisoned with NaN to show any row left unwritten."""
+    from fused_lm_loss import ops, token_ops
+    from fused_lm_loss.ops_common import allocate
+
+    module = ops if op == "loss" else token_ops
+    monkeypatch.setattr(module, "allocate", lambda specs, device: tuple(t.fill_(float("nan")) if t.is_floating_point()
+                                                                           else t for t in allocate(specs, device)))
+    captured = []
+    kept_of = chunked.KeptLogits.of
+
+    def spy(tensor, mode):
+        if mode == "store":
+            captured.append(tensor)
+        return kept_of(tensor, mode)
+
+    monkeypatch.setattr(chunked.KeptLogits, "of", staticmethod(spy))
+    hidden, weight, labels, _ = make_inputs(N, H, V)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    if op == "loss":
+        FusedLMLoss(reduction="none", keep_logits=True, chunk_size=8)(hidden, weight, labels)
+    else:
+        token_stats(hidden, weight, labels, keep_logits=True, chunk_size=8)
+    count = int((labels != -100).sum())
+    (kept,) = [t for t in captured if t.numel()]
+    assert 0 < count < N and not kept[:count].isnan().any() and torch.equal(kept[count:], torch.zeros_like(kept[count:]))
