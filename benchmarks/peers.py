@@ -60,6 +60,11 @@ def cce_loss():
 def quack_loss():
     """Quack's ``chunked_linear_cross_entropy(x, weight, target, chunk_size, ignore_index, reduction, tuned,
     use_scaled_exp)`` (see the module docstring for the import shim)."""
+    return quack_lce().chunked_linear_cross_entropy
+
+
+def quack_lce():
+    """The module ``quack.linear_cross_entropy``, imported through the shim (module docstring)."""
     import quack.gemm_runtime.identity as identity
 
     if not getattr(identity.semantic_value_key, "_keyed_by_type", False):
@@ -73,9 +78,9 @@ def quack_loss():
 
         semantic_value_key._keyed_by_type = True
         identity.semantic_value_key = semantic_value_key
-    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    import quack.linear_cross_entropy as lce
 
-    return chunked_linear_cross_entropy
+    return lce
 
 
 def _stub_trainer_utils() -> types.ModuleType:

@@ -19,6 +19,19 @@ own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), 
 and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
 bf16 logits) and of G, the bf16 operand of both backward GEMMs: from E (the per-(row, tile) factor 2^k e^-lse and the
 one-hot term in fp32, rounded once) against from bf16 logits (today). Without CUDA or Quack it says so and stops.
+
+``--backward`` (issue 27's next step, not yet run): what follows the epilogue GEMM in a training chunk, on its E, per
+shape at the plan's chunk rows (rounded up to 128), medians of ``do_bench``:
+
+  library       today's Hopper path: ``grad_from_exp`` (G from E), then cuBLAS dX = G @ W and dW = G^T h, both
+                into fp32 (the library's row buffer and accumulator)
+  quack_plain   the same G, and Quack's plain GEMMs (``identity_epi``, fp32 D) for dX and dW
+  quack_strip   Quack's scaled-exp backward as its pipeline runs it (quack/linear_cross_entropy.py): its glue
+                kernel (loss, the target fix in E, the per-(64 columns, row) strip 2^(k - k_row), the per-row
+                v = 2^k_row e^-lse, x v), then dX and dW as GEMMs on E itself with the strip applied in the
+                operand load (``a_transform``): no G pass
+
+and the relative error of each dX (first 256 rows) against float64.
 """
 from __future__ import annotations
 
@@ -30,7 +43,7 @@ import sys
 
 import torch
 
-from common import DEVICE, SHAPES, bench, default_shapes, inputs, plan_for, tflops
+from common import DEVICE, SHAPES, bench, default_shapes, inputs, plan_for, sync, tflops
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402  (its import shim is not needed for quack.epilogue.scaled_exp)
@@ -90,11 +103,78 @@ def accuracy(x, w, target, logits, lse_today, out, tile_n):
     return rel(lse_epi, lse64), rel(lse_today, lse64), rel(g_epi, g64), rel(g_today, g64)
 
 
+def backward_rows(name: str, x, w, y, plan, rows) -> list[str]:
+    """The ``--backward`` rows of one shape: (variant, ms, dX error) at the plan's chunk."""
+    from fused_lm_loss.exp_epilogue import ExpStats
+    from fused_lm_loss.loss_terms import loss_from_stats
+
+    lce = peers.quack_lce()
+    _, h, v = SHAPES[name]
+    tile_n = pick_tile_n(v)
+    m = min(-(-plan.chunk_rows // 128) * 128, rows.count // 128 * 128)
+    xs, target = rows.gather(x, 0, m), rows.target[:m].contiguous()
+    run, out = epilogue_gemm(xs, w, target, tile_n)
+    run()
+    stats = ExpStats(k=out["k"], sum_exp=out["sum_exp"], target_logit=out["target_logit"], tile_n=tile_n)
+    _, lse = loss_from_stats(*stats.row_stats(), plan.terms)
+    scale = 1.0 / m
+    f32 = torch.float32
+    dx, dw = torch.empty(m, h, device=DEVICE, dtype=f32), torch.empty(v, h, device=DEVICE, dtype=f32)
+    grad = torch.empty_like(out["E"])
+
+    def library():
+        plan.backend.grad_from_exp(out["E"], grad, target, lse, stats, terms=plan.grad_terms, grad_scale=scale,
+                                   row_scale=None)
+        torch.ops.aten.mm.dtype_out(grad, w, f32, out=dx)
+        torch.ops.aten.mm.dtype_out(grad.t(), xs, f32, out=dw)
+
+    def quack_plain():
+        plan.backend.grad_from_exp(out["E"], grad, target, lse, stats, terms=plan.grad_terms, grad_scale=scale,
+                                   row_scale=None)
+        lce.identity_epi.gemm(grad, w.mT, dx, epi_args={})
+        lce.identity_epi.gemm(grad.t(), xs.mT, dw, epi_args={})
+
+    strip = torch.empty(v // 64, m, device=DEVICE, dtype=x.dtype)
+    v_row, loss = torch.empty(m, device=DEVICE, dtype=f32), torch.empty(m, device=DEVICE, dtype=f32)
+    x_scaled = torch.empty_like(xs)
+    tile_n2 = 192 if h % 192 == 0 else 256
+    grad_scale = torch.tensor(scale, device=DEVICE, dtype=f32)
+
+    def quack_strip():
+        lce.lce_glue(out["k"], out["sum_exp"], xs, target, out["target_logit"], out["E"], loss, strip, v_row,
+                     x_scaled, tile_n, ignore_index=-100, grad_scale=grad_scale)
+        bundle = lce.transform_a_operand(lce._lce_dx_scale, out["E"], {"u": strip}, 128, 64)
+        lce._lce_vscale_epi.gemm(bundle, w.mT, dx, epi_args=dict(v=v_row.unsqueeze(0)), transform_a=lce._lce_dx_scale,
+                                 tile_M=128, tile_N=tile_n2, tile_K=64, cluster_M=2, cluster_N=1)
+        bundle = lce.transform_a_operand(lce._lce_dw_scale, out["E"].t(), {"u": strip}, 128, 64)
+        lce.identity_epi.gemm(bundle, x_scaled.mT, dw, epi_args={}, transform_a=lce._lce_dw_scale,
+                              add_to_output=False, tile_M=128, tile_N=tile_n2, tile_K=64, cluster_M=1, cluster_N=2)
+
+    z64 = xs[:256].double() @ w.double().T
+    g64 = torch.softmax(z64, 1)
+    g64[torch.arange(256, device=DEVICE), target[:256]] -= 1.0
+    dx64 = (g64 * scale) @ w.double()
+    del z64, g64
+    lines = []
+    for variant, fn in (("library", library), ("quack_plain", quack_plain), ("quack_strip", quack_strip)):
+        try:
+            fn()  # (the JIT compile of Quack's kernels)
+            sync()
+            err = ((dx[:256].double() - dx64).norm() / dx64.norm()).item()
+            ms = bench(fn)
+            lines.append(f"| {name} | {m} | {variant} | {ms:.3f} | {tflops(4 * m * h * v, ms):.0f} | {err:.2e} |")
+        except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
+            lines.append(f"| {name} | {m} | {variant} | failed: {type(e).__name__}: {str(e)[:160]} | | |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help=f"of {','.join(SHAPES)}")
     parser.add_argument("--rows", default="4096", help="chunk rows to time besides the plan's")
     parser.add_argument("--configs", default="auto", help="epilogue launch settings: auto, or tile_n/p|c/MxN")
+    parser.add_argument("--backward", action="store_true", help="time what follows the epilogue GEMM instead")
     args = parser.parse_args()
     if DEVICE != "cuda":
         print("needs CUDA (an sm90 GPU) and quack-kernels")
@@ -107,6 +187,15 @@ def main():
     print(f"quack-kernels {peers.version('quack-kernels')} · nvidia-cutlass-dsl {peers.version('nvidia-cutlass-dsl')}"
           f" · torch {torch.__version__} · {torch.cuda.get_device_name()}")
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.backward:
+        lines = ["| shape | M | variant | ms (G pass, dX, dW) | TF/s (dX + dW) | dX err (256 rows) |", "|---" * 6 + "|"]
+        for name in default_shapes(args.shapes):
+            x, w, y = inputs(name, 0.1)
+            plan, _, rows = plan_for(x, w, y, "train")
+            lines += backward_rows(name, x, w, y, plan, rows)
+            torch.cuda.empty_cache()
+        print("\n".join(lines))
+        return
     header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | config | epilogue ms (TF/s) | "
               "epilogue / (cuBLAS + stats) | grad ms |")
     table = [header, "|---" * 10 + "|"]
