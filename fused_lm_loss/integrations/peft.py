@@ -41,7 +41,13 @@ def _resolve(head: nn.Module, x: torch.Tensor | None) -> Pieces:
 
         if isinstance(head, ModulesToSaveWrapper):
             return _resolve(_active_copy(head), x)
-        if type(head) is LoraLinear:
+        if _own_class(head) is LoraLinear:
+            if _is_fsdp2_unit(head):
+                raise NotImplementedError(
+                    "fused_lm_loss: LoRA on an lm_head that FSDP2 shards as a unit of its own (fully_shard(lm_head)) "
+                    "is not supported: FSDP2 gathers the adapters again for backward through a hook on lm_head's "
+                    "output, which the fused loss never uses. Leave lm_head in its parent's unit"
+                )
             return _lora_pieces(head, x)
         if isinstance(head, BaseTunerLayer) or type(head).__module__.startswith("peft."):
             raise NotImplementedError(
@@ -54,6 +60,32 @@ def _resolve(head: nn.Module, x: torch.Tensor | None) -> Pieces:
         f"fused_lm_loss: lm_head is a {type(head).__name__}; the fused loss needs a plain nn.Linear "
         "(optionally wrapped by peft LoRA or modules_to_save)"
     )
+
+
+def _fsdp2_module_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (torch < 2.6)
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _is_fsdp2_unit(module: nn.Module) -> bool:
+    fsdp_module = _fsdp2_module_class()
+    return fsdp_module is not None and isinstance(module, fsdp_module)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's class, through the subclass FSDP2's fully_shard swaps in (FSDPLinear(FSDPModule, cls))."""
+    cls = type(module)
+    if _is_fsdp2_unit(module):
+        return next(base for base in cls.__bases__ if base is not _fsdp2_module_class())
+    return cls
 
 
 def _active_copy(wrapper: nn.Module) -> nn.Module:

@@ -108,6 +108,23 @@ def test_dora_on_lm_head_is_rejected():
         fused_lm_loss.patch(model)
 
 
+def test_lora_head_as_its_own_fsdp2_unit_is_refused_clearly():
+    """FSDP2's fully_shard swaps lm_head's class for FSDPLinear(FSDPModule, lora.Linear): the head is recognized
+    as LoRA through it, and refused with a clear error, since FSDP2 would gather the adapters for backward only
+    through a hook on lm_head's output, which the fused loss never uses. (The swap is made here as fully_shard
+    makes it, without a process group.)"""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from fused_lm_loss.integrations.peft import _own_class
+
+    model = _peft(make_model(), target_modules=["lm_head"])
+    head = model.get_base_model().lm_head
+    lora_class = type(head)
+    head.__class__ = type(f"FSDP{lora_class.__name__}", (fsdp.FSDPModule, lora_class), {})
+    assert _own_class(head) is lora_class
+    with pytest.raises(NotImplementedError, match="FSDP2 shards as a unit of its own"):
+        fused_lm_loss.patch(model)
+
+
 def test_unpatch_peft_model():
     fused, _ = _pair(target_modules=["lm_head"])
     fused_lm_loss.unpatch(fused)
