@@ -6,6 +6,7 @@
     hf_loss.py     transformers' loss signature on given logits (eval forwards of a patched model)
     hf_assign.py   ``model.loss_function = FusedLMLoss(...)`` takes effect (a hook installed lazily)
     peft.py        peft layers on lm_head (LoRA as a low-rank term, modules_to_save)
+    wrappers.py    the model inside peft / DDP / DataParallel wrappers
 """
 from __future__ import annotations
 

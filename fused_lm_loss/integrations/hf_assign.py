@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..loss import FusedLMLoss, on_first_instance
+from .wrappers import inner_model
 
 _installed = False
 
@@ -31,21 +32,6 @@ def _on_submodule_registered(module: nn.Module, name: str, submodule: Any) -> No
         from .hf_patch import assign_loss_function
 
         assign_loss_function(module, submodule)
-
-
-def inner_model(module: nn.Module) -> nn.Module:
-    """The model inside its wrappers: a peft PeftModel (``get_base_model()``) or tuner such as LoraModel
-    (``.model``), torch's DistributedDataParallel / DataParallel (``.module``); the module itself otherwise."""
-    while True:
-        if type(module).__module__.startswith("peft."):
-            inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "model", None)
-        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            inner = module.module
-        else:
-            return module
-        if not isinstance(inner, nn.Module) or inner is module:
-            return module
-        module = inner
 
 
 def _is_transformers_model(module: nn.Module) -> bool:

@@ -35,10 +35,10 @@ from ..options import LossOptions, check_supported
 from . import deepspeed as deepspeed_integration
 from . import peft as peft_integration
 from . import trl as trl_integration
-from .hf_assign import inner_model
 from .hf_config import model_options, unsupported
 from .hf_forward import FusedCall
 from .hf_loss import causal_lm_loss
+from .wrappers import inner_model
 
 _STATE_ATTR = "_fused_lm_loss_patch"
 _SWAPPED_CLASSES: dict[type, type] = {}
@@ -375,5 +375,5 @@ def _check_structure(model: nn.Module) -> None:
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft wrapper or DDP (``hf_assign.inner_model``), or the model itself."""
+    """The transformers model inside a peft wrapper or DDP (``wrappers.inner_model``), or the model itself."""
     return inner_model(model)
