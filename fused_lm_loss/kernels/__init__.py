@@ -3,6 +3,9 @@
 Imported only when a Triton path runs (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The helpers the
 kernels share are ``transform.py`` (the logit transform and its chain rule) and ``online.py`` (online softmax
 merges).
+
+A file with ``@triton.jit`` functions has no ``from __future__ import annotations``: Triton 3.1's interpreter
+tells a ``tl.constexpr`` parameter by its annotation object, and a string annotation makes it a runtime value.
 """
 from . import matmul_stats
 from ..exp_epilogue import exp_matmul

@@ -54,8 +54,6 @@ so does a NaN logit on either side: its row's divergence, entropy and gradient, 
 Float scalars are cast to fp32 at the top of the kernel (torch.compile passes Python floats as fp64); row offsets
 are int64.
 """
-from __future__ import annotations
-
 import math
 
 import torch

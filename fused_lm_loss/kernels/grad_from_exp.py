@@ -11,8 +11,6 @@ cancel E's rounding into a large relative error where p is near 1. Times the row
 and row_scale per row), rounded once to the output dtype. The output may alias E (each element is read, then
 written, by the same program). Grid: (rows, cdiv(V, BLOCK_V)); row offsets int64.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

@@ -37,8 +37,6 @@ Float scalars are cast to fp32 first (torch.compile passes Python floats as fp64
 of the label and entropy, with per-row weights a and b): dz_j = a (delta_jt - p_j) + b p_j (E - z_j), with
 E = lse - entropy the mean logit; formula and -inf handling in its docstring.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

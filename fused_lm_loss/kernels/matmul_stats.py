@@ -25,8 +25,6 @@ Needs a GPU with TMA (sm90+), bf16/fp16 operands with 16-byte aligned rows, and 
 tensor descriptors; ``supported`` says whether the inputs qualify, else the chunk loop keeps the
 cuBLAS + ``row_stats`` path.
 """
-from __future__ import annotations
-
 import inspect
 import os
 

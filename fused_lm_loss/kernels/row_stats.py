@@ -36,8 +36,6 @@ and all math must stay fp32 (and loop-carried types fixed) however they arrive.
 
 Row offsets are int64 because rows x V passes 2**31.
 """
-from __future__ import annotations
-
 from dataclasses import replace
 
 import torch

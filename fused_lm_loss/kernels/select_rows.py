@@ -16,8 +16,6 @@ before a step's first matmul the GPU waits for the host to issue them, and each 
 selection flags gives each selected label its slot, which keeps the order deterministic (no atomics). It reads 8
 bytes per label: ~10 µs for 8k labels, ~0.1 ms for 128k.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

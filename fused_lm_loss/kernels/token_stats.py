@@ -47,8 +47,6 @@ row here.)
 Float scalars are cast to fp32 at the top of each kernel (torch.compile passes Python floats as fp64); row
 offsets are int64.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
