@@ -31,6 +31,21 @@ requires_triton = pytest.mark.skipif(
 )
 BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
 
+
+def interpreter_rounds_fma_twice() -> bool:
+    """Whether ``tl.fma`` rounds the product before the sum here, as Triton 3.1's interpreter does (a GPU's fma
+    rounds once). Probe: (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 exactly, 0 when the product is rounded first."""
+    if TEST_DEVICE != "cpu" or not triton_kernels_can_run():
+        return False
+    from .kernels.fma_probe import fma_of
+    return fma_of(1.0 + 2.0**-12, 1.0 + 2.0**-12, -(1.0 + 2.0**-11)) != 2.0**-24
+
+
+#: For tests of kernels whose accuracy rests on an exact fma (a rounding residual, kernels/token_stats.py).
+requires_exact_fma = pytest.mark.skipif(
+    interpreter_rounds_fma_twice(), reason="this Triton interpreter rounds tl.fma twice; a GPU rounds once"
+)
+
 #: Tests of -inf, NaN and overflowing logits: the Triton interpreter's numpy warns about exactly what they check
 #: (log(0) = -inf for an all -inf row, -inf - -inf, the overflow of tanh's discarded polynomial branch at -inf).
 #: A GPU raises nothing.

@@ -6,6 +6,8 @@ GEMM serves); on an sm90 GPU with the [hopper] extra the CuTe DSL GEMM itself ru
 float64 on fresh data, for every option the path serves: the loss to fp32 round-off and the gradients closer than
 the bf16-logits path's; what it does not serve keeps that path.
 """
+import math
+
 import pytest
 import torch
 
@@ -51,6 +53,11 @@ def served(monkeypatch, backend):
     return served
 
 
+def chunks_of(labels: torch.Tensor, chunk_size: int) -> int:
+    """How many chunks of ``chunk_size`` rows the labels' kept rows fill (one GEMM call each)."""
+    return math.ceil(int((labels != -100).sum()) / chunk_size)
+
+
 def run(hidden, weight, labels, *, scaling=None, frozen=False, **options):
     """Loss, dX, dW (None when frozen) of the fused loss on leaf copies."""
     h = hidden.detach().clone().requires_grad_(True)
@@ -92,7 +99,7 @@ def test_num_items_and_the_reported_z_loss(served):
     w = weight.clone().requires_grad_(True)
     out = FusedLMLoss(z_loss=1e-3, return_z_loss=True, chunk_size=11)(h, w, labels, num_items_in_batch=40)
     out.loss.backward()
-    assert served.calls == 3
+    assert served.calls == chunks_of(labels, 11) >= 2
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     want, grads = reference_loss(h64, w64, labels, z_loss=1e-3, num_items_in_batch=40)
     z = hidden.double() @ weight.double().T
@@ -145,7 +152,7 @@ def test_the_statistics_end_with_their_chunk(served, monkeypatch):
     monkeypatch.setattr(chunked.LinearHead, "finish", checked_finish)
     hidden, weight, labels, _ = make_inputs(23, 64, 384, dtype=torch.bfloat16)
     run(hidden, weight, labels, chunk_size=8)
-    assert served.calls == 3 and len(alive) == 9
+    assert served.calls == chunks_of(labels, 8) >= 2 and len(alive) == 3 * served.calls
 
 
 @pytest.mark.parametrize("options", [

@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import fused_lm_loss
-import transformers
-import transformers.loss.loss_utils
 from fused_lm_loss import FusedLMLoss
 from fused_lm_loss.integrations import causal_lm_loss
 
 from ..conftest import requires_triton
-from .hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin
+
+transformers = pytest.importorskip("transformers")
+import transformers.loss.loss_utils  # noqa: E402
+
+from .hf_models import FAMILIES, VOCAB, assert_close_grads, grads, make_batch, make_model, rel_err, twin  # noqa: E402
 
 
 def _train_step(model, **batch):
