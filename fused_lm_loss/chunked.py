@@ -65,9 +65,13 @@ def label_ids(labels: torch.Tensor) -> torch.Tensor:
     """The one place labels are normalized: 1-d int64, in any strides (a slice, a broadcast).
 
     Every integer dtype is accepted. Narrower ones are widened first, since torch compares e.g. a uint8
-    tensor with a negative ``ignore_index`` modulo 256 (label 156 would count as -100).
+    tensor with a negative ``ignore_index`` modulo 256 (label 156 would count as -100); uint64 values that int64
+    cannot hold raise.
     """
     labels = labels.reshape(-1)
+    if labels.dtype == torch.uint64 and labels.numel() and bool((labels.view(torch.int64) < 0).any()):
+        # (.long() would wrap 2**64 - 100 to -100, ignore_index: that token would be dropped silently)
+        raise ValueError("uint64 labels above 2**63 - 1 are not class ids (nor ignore_index)")
     return labels if labels.dtype == torch.int64 else labels.long()
 
 

@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
-from .inputs import check_gathered_for_backward, reject_sharded
-from .ops_common import apply_factor, refuse_double_backward, traced
+from .inputs import check_gathered_for_backward, matmul_inputs, reject_sharded
+from .ops_common import apply_factor, refuse_double_backward, shapes_only
 from .options import MATMUL_DTYPES
 from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
 from .transform import LogitTransform
@@ -315,7 +315,7 @@ def _backward(ctx, grad_divergence, *unused):
     if grad_divergence is None or not any(ctx.needs):
         return (None,) * 3 + none
     *tensors, selected, d_hidden, d_weight, d_bias = ctx.saved_tensors
-    if not traced(grad_divergence) and not ctx.needs[0]:
+    if not shapes_only(grad_divergence) and not ctx.needs[0]:
         # eager, frozen hidden states: a uniform weight rescales the vocabulary side here, with no new op call
         factor = _uniform(torch.where(selected, grad_divergence.float(), 0.0)[selected])
         if factor is not None:
@@ -385,9 +385,9 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     if any(t is not None and t.device != device for t in (student_weight, teacher_hidden, teacher_weight, student_bias,
                                                            teacher_bias, selected)):
         raise ValueError("every tensor of a divergence must be on the student's hidden states' device")
-    student = _matmul_operands(student_hidden, student_weight, student_bias, "student")
-    teacher = _matmul_operands(teacher_hidden.detach(), teacher_weight.detach(),
-                               None if teacher_bias is None else teacher_bias.detach(), "teacher")
+    student = matmul_inputs(student_hidden, student_weight, student_bias, side="student")[:3]
+    teacher = matmul_inputs(teacher_hidden.detach(), teacher_weight.detach(),
+                            None if teacher_bias is None else teacher_bias.detach(), side="teacher")[:3]
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in student]
     div, entropy, *_ = linear_divergence(
         student[0].reshape(n, student[0].shape[-1]), student[1], student[2], teacher[0].reshape(n, teacher[0].shape[-1]),
@@ -412,19 +412,6 @@ def _check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
-
-
-def _matmul_operands(hidden, weight, bias, side: str):
-    """Under autocast, cast to its dtype as nn.Linear would; otherwise one dtype per side."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return tuple(None if t is None else t.to(dtype) for t in (hidden, weight, bias))
-    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
-    if len(dtypes) > 1:
-        raise ValueError(f"the {side}'s hidden states, weight and bias must share one dtype, got "
-                         f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast")
-    return hidden, weight, bias
 
 
 def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,

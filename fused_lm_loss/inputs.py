@@ -48,8 +48,6 @@ def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
-        if bias.dtype != weight.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
     devices = {t.device for t in (hidden, weight, bias) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"hidden, weight and bias must be on one device, got {sorted(map(str, devices))}")
@@ -133,19 +131,21 @@ def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) ->
         raise ValueError("low_rank tensors must be on the device of hidden")
 
 
-def matmul_inputs(hidden, weight, bias, low_rank_input, low_rank_weight) -> tuple[torch.Tensor | None, ...]:
-    """Under autocast, cast to its dtype as nn.Linear would; otherwise all matmul operands must agree."""
+def matmul_inputs(hidden, weight, bias, low_rank_input=None, low_rank_weight=None, *, side: str = ""
+                  ) -> tuple[torch.Tensor | None, ...]:
+    """Under autocast, cast to its dtype as nn.Linear would; otherwise all matmul operands must agree. ``side``
+    names them in the error (distillation: "student" / "teacher")."""
     tensors = (hidden, weight, bias, low_rank_input, low_rank_weight)
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # (meta has no autocast: torch raises)
         dtype = torch.get_autocast_dtype(device_type)
         return tuple(None if t is None else t.to(dtype) for t in tensors)
-    dtypes = {t.dtype for t in tensors if t is not None}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and the other operands must share one dtype, got "
-            f"{sorted(map(str, dtypes))}; cast them, or run under torch.autocast"
-        )
+    if len({t.dtype for t in tensors if t is not None}) > 1:
+        names = ("hidden", "weight", "bias", "low_rank u", "low_rank B")
+        given = ", ".join(f"{name} {t.dtype}" for name, t in zip(names, tensors) if t is not None)
+        whose = f"the {side}'s " if side else ""
+        raise ValueError(f"{whose}matmul operands must share one dtype, got {given}; cast them, or run under "
+                         "torch.autocast")
     return tensors
 
 
@@ -164,10 +164,12 @@ def resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> 
     if scaler is None:
         return None, 1.0
     if isinstance(scaler, torch.amp.GradScaler):  # read as attributes: torch.compile traces no call into torch.amp
+        if not scaler._enabled:  # scale(loss) returns the loss itself (and a disabled scaler has no _scale)
+            return None, 1.0
         if isinstance(scaler._scale, torch.Tensor):
             return scaler._scale, 1.0
         # before its first scale(): that call will scale by init_scale (by 1 when disabled), as get_scale() says
-        return None, float(scaler._init_scale) if scaler._enabled else 1.0
+        return None, float(scaler._init_scale)
     return None, float(scaler.get_scale())
 
 

@@ -247,17 +247,20 @@ def _(grads, grad_output, scale, scaling):
     return [torch.empty_like(g) for g in grads]
 
 
-def traced(t: Tensor | None) -> bool:
-    """Whether this runs while torch.compile traces (AOTAutograd traces backward with fake tensors; torch 2.5
-    does not report that through ``torch.compiler.is_compiling``)."""
-    return torch.compiler.is_compiling() or (t is not None and (isinstance(t, FunctionalTensor) or is_fake(t)))
+def shapes_only(t: Tensor | None) -> bool:
+    """Whether ``t`` holds no values the host may read: torch.compile traces (AOTAutograd traces backward with fake
+    tensors; torch 2.5 does not report that through ``torch.compiler.is_compiling``), or it is on the meta device.
+    The operators then run without host syncs, and their fake implementations give the shapes."""
+    if torch.compiler.is_compiling():
+        return True
+    return t is not None and (isinstance(t, FunctionalTensor) or is_fake(t) or t.is_meta)
 
 
 def rescaled(grads: list[Tensor], dtypes: list[torch.dtype], grad_output: Tensor, scale: Tensor | None,
              scaling: float) -> list[Tensor]:
     """grad_output / scaling applied out of place, each result rounded once to its ``dtypes`` entry (the
     input's dtype); in eager mode a factor of exactly 1.0 returns the gradients saved in that dtype as they are."""
-    if traced(grad_output):
+    if shapes_only(grad_output):
         return [g.to(dtype) for g, dtype in zip(rescale_grads(grads, grad_output, scale, scaling), dtypes)]
     return apply_factor(grads, dtypes, grad_factor(grad_output, gradient_scale(scale, scaling)))
 
@@ -272,7 +275,7 @@ def apply_factor(grads: list[Tensor], dtypes: list[torch.dtype], factor: float) 
 
 def refuse_double_backward(grad_output: Tensor | None) -> None:
     # backward runs with grad mode on only for create_graph=True; tracing a compiled backward is not that
-    if torch.is_grad_enabled() and not traced(grad_output):
+    if torch.is_grad_enabled() and not shapes_only(grad_output):
         raise RuntimeError(
             "fused_lm_loss does not support higher-order gradients: its backward only rescales gradients made in "
             "forward, so a gradient of its gradient would be silently wrong. Call autograd.grad / backward without "

@@ -23,7 +23,7 @@ from .chunked import KeptLogits, TokenStep, run_chunks
 from .inputs import check_gathered_for_backward
 from .ops_common import (
     Spec, absent, allocate, apply_factor, conform, fused_op, grad_specs, kept_logits_spec, linear_call, only_needed,
-    per_token, refuse_double_backward, save_with_options, saved_with_options, shaped_like, traced,
+    per_token, refuse_double_backward, save_with_options, saved_with_options, shaped_like, shapes_only,
 )
 from .options import LossOptions
 from .plan import GradNeeds, make_plan
@@ -252,7 +252,7 @@ def _backward(ctx, grad_logprobs, grad_entropy, *unused):
                     total = term if total is None else total + term
             result.append(None if total is None else total.to(x.dtype))
         return (*result, *call_values)
-    if not traced(grad_logprobs) and has_lp:
+    if not shapes_only(grad_logprobs) and has_lp:
         factor = _uniform_factor(has_label, unit, grad_logprobs, grad_entropy)
         if factor is not None:  # the logprob gradients made in forward serve, rescaled (eager: as the loss's)
             needed = [(g, x.dtype) for g, x, need in zip(logprob_grads, inputs, ctx.needs) if need]

@@ -69,6 +69,18 @@ def test_grad_scaler_scale_is_used(backend):
         assert rel_err(hidden.grad, 2.0**12 * grads["hidden"]) <= 2e-4
 
 
+def test_disabled_grad_scaler_scales_by_one(backend):
+    """GradScaler(enabled=False) (as in ``GradScaler(enabled=use_fp16)``): scale(loss) is the loss itself, so the
+    gradients are the plain ones. A disabled scaler has no ``_scale`` attribute at all."""
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, enabled=False)
+    hidden, weight, labels, bias = _inputs()
+    loss = FusedLMLoss(grad_scaler=scaler, chunk_size=16)(hidden, weight, labels, bias)
+    scaler.scale(loss).backward()
+    expected, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(loss, expected) <= 2e-5
+    assert rel_err(weight.grad, grads["weight"]) <= 2e-4 and rel_err(hidden.grad, grads["hidden"]) <= 2e-4
+
+
 @pytest.mark.parametrize("k", [1.0, 4.0])
 def test_retain_graph_twice_accumulates_twice_and_never_bumps_saved(backend, k):
     """grad_output = S / k: factor 1 / k, applied out of place, so two backwards give twice the gradient."""

@@ -233,6 +233,20 @@ def test_autocast_casts_like_linear(backend):
     assert rel_err(hidden.grad, grads["hidden"]) < 3e-2 and rel_err(weight.grad, grads["weight"]) < 3e-2
 
 
+def test_autocast_casts_a_bias_of_another_dtype(backend):
+    """Under autocast every operand is cast, the bias too (F.linear); without it, dtypes that differ raise."""
+    hidden, weight, labels, bias = make_inputs(16, 32, 120, bias=True)
+    bias = bias.half().requires_grad_(True)
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
+        loss = FusedLMLoss()(hidden, weight, labels, bias)
+    loss.backward()
+    expected, grads = reference_loss(hidden, weight, labels, bias)
+    assert bias.grad.dtype == torch.float16
+    assert rel_err(loss, expected) < 2e-2 and rel_err(bias.grad, grads["bias"]) < 3e-2
+    with pytest.raises(ValueError, match="must share one dtype"):
+        FusedLMLoss()(hidden, weight, labels, bias)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy sees the NaN
 def test_non_finite_hidden_propagates(backend):
     hidden, weight, labels, _ = make_inputs(8, 8, 30, ignore_frac=0.0)

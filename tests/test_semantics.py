@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_lm_loss import FusedLMLoss, fused_linear_cross_entropy
+from fused_lm_loss import FusedLMLoss, fused_divergence, fused_linear_cross_entropy, token_stats
 
 from .conftest import TEST_DEVICE
 from .reference import make_inputs, reference_loss, rel_err
@@ -63,6 +63,18 @@ def test_every_integer_label_dtype(backend, dtype, ignored):
     expected, grads = reference_loss(hidden, weight, labels, ignore_index=ignore_index)
     assert rel_err(loss, expected) <= 2e-4
     _grads_match({"hidden": hidden}, grads)
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint64"), reason="torch < 2.3 has no uint64")
+@pytest.mark.parametrize("label", [2**64 - 100, 2**63 + 5])
+def test_uint64_labels_beyond_int64_raise(backend, label):
+    """int64 cannot hold them: widened, 2**64 - 100 would become -100 (ignore_index, the token silently dropped)
+    and 2**63 + 5 a negative label. A ValueError instead (PyTorch refuses uint64 targets altogether)."""
+    hidden, weight, labels, _ = make_inputs(8, 8, 37, ignore_frac=0.0)
+    labels = labels.to(torch.uint64)
+    labels[3] = torch.tensor(label - 2**64).to(torch.uint64)
+    with pytest.raises(ValueError, match="uint64 labels above 2"):
+        FusedLMLoss()(hidden, weight, labels)
 
 
 @pytest.mark.parametrize("what", ["labels", "hidden", "weight"])
@@ -251,6 +263,29 @@ def test_class_weighted_mean_with_a_zero_denominator(backend, case, z_loss):
         assert torch.equal(h.grad.isnan(), h64.grad.isnan()) and torch.equal(w.grad.isnan(), w64.grad.isnan())
     else:
         assert loss == 0 and not h.grad.any() and not w.grad.any()
+
+
+def test_all_on_meta_gives_shapes(backend):
+    """Every tensor on meta (meta-device initialization, shape inference): the loss and gradients come back as
+    meta tensors of the right shapes, as eager's do. (torch has no autocast state for meta to ask about.)"""
+    hidden = torch.empty(2, 5, 8, device="meta", requires_grad=True)
+    weight = torch.empty(40, 8, device="meta", requires_grad=True)
+    labels = torch.empty(2, 5, dtype=torch.int64, device="meta")
+    loss = FusedLMLoss()(hidden, weight, labels)
+    assert loss.device.type == "meta" and loss.shape == ()
+    loss.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    per_token = FusedLMLoss(reduction="none")(hidden, weight, labels)
+    assert per_token.device.type == "meta" and per_token.shape == (2, 5)
+    for expected_grads in ("uniform", None):  # (uniform: backward asks whether the weights are one value)
+        hidden.grad = weight.grad = None
+        out = token_stats(hidden, weight, labels, **({"expected_grads": expected_grads} if expected_grads else {}))
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        assert out.logprobs.shape == (2, 5) and hidden.grad.shape == hidden.shape and weight.grad.is_meta
+    hidden.grad = None
+    divergence = fused_divergence(hidden, weight, hidden.detach(), weight.detach(), labels)
+    divergence.backward()
+    assert divergence.is_meta and hidden.grad.shape == hidden.shape
 
 
 def test_a_meta_tensor_beside_real_ones_raises(backend):
