@@ -25,7 +25,9 @@ The logprob component made in forward is the gradient of the mean negative log-p
 rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32, returned by the forward operator), the
 weight an SFT loss ``-logprobs.sum() / count`` (or ``.mean()`` over the tokens with a label) sends back: in eager
 mode that backward returns the saved gradients untouched, as the loss does for grad_output = 1; any other
-uniform weight is one multiply (the loss's grad_output / scaling). The entropy component has weight 1.
+uniform weight is one multiply (the loss's grad_output / scaling). The entropy component has weight 1. A frozen
+head in fp16 makes the logprob component with weight -1 instead (``token_ops.component_weight``): G = p / count
+would sink into fp16's subnormals at large counts.
 
 Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse, mean_logits, log_sum_sq_probs), False
 (is_top1) and -1 (argmax).
@@ -48,7 +50,7 @@ class TokenStats(NamedTuple):
 
     logprobs: Tensor  # fp32, log p(label); differentiable
     entropy: Tensor  # fp32, entropy of the softmax; differentiable
-    lse: Tensor  # fp32, log-sum-exp of z
+    lse: Tensor  # fp32, log-sum-exp of z; detached: no gradient flows through it (a z-loss: FusedLMLoss(z_loss=))
     is_top1: Tensor  # bool, argmax == label (the first maximum on ties, as torch.argmax)
     argmax: Tensor  # int64, the top-1 token (-1 at ignored positions)
     mean_logits: Tensor | None = None  # fp32, the mean of z over the vocabulary; only when asked for, detached

@@ -52,6 +52,13 @@ def mean_nll_weight(count: int) -> float:
     return float(torch.tensor(-1.0, dtype=F32) / max(count, 1))
 
 
+def component_weight(count: int, matmul_dtype: torch.dtype, vocab_side: bool) -> float:
+    """The logprob component's per-row weight in forward: ``mean_nll_weight`` (backward then returns an SFT loss's
+    gradients untouched), but -1 for a frozen head in fp16, whose G = p / count would sink into fp16's subnormals
+    at large counts (a frozen head's components feed only dX / du, saved wide, and backward weights each row)."""
+    return -1.0 if matmul_dtype == torch.float16 and not vocab_side else mean_nll_weight(count)
+
+
 def token_outputs(opts: LossOptions, needs: Sequence[bool], expected_grads: str, need_mean_logits: bool,
                   need_log_sum_sq_probs: bool, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                   low_rank_input: Tensor | None, low_rank_weight: Tensor | None, labels: Tensor) -> list[Spec]:
@@ -103,7 +110,7 @@ def linear_token_stats(
     head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "store"), needs)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if made else GradNeeds(),
                      components=len(made), epilogue_stats=False)
-    unit = mean_nll_weight(rows.count)
+    unit = component_weight(rows.count, hidden.dtype, vocab_side=any(needs[i] for i in VOCAB_INPUTS))
     out = run_chunks(plan, head, rows, TokenStep(plan, device, need_argmax=True, need_mean_logit=asked[0],
                                                  need_log_sum_sq=asked[1], components=made, logprob_weight=unit))
     step = out.step
@@ -270,7 +277,7 @@ def _uniform_factor(has_label: Tensor, unit: Tensor, grad_logprobs: Tensor | Non
                     grad_entropy: Tensor | None) -> float | None:
     """a / unit (the logprob component's weight in forward) when the logprob weight a is one value over the
     selected rows and the entropy weight is absent or zero there; else None. One host sync."""
-    if grad_logprobs is None:
+    if grad_logprobs is None or has_label.numel() == 0:  # (no token: nothing to rescale, nor to reduce over)
         return None
     a = grad_logprobs.float()
     parts = [unit, torch.where(has_label, a, float("inf")).amin(), torch.where(has_label, a, float("-inf")).amax()]

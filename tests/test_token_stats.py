@@ -249,13 +249,16 @@ def test_extra_outputs_are_checked():
             token_stats(hidden, weight, labels, extra_outputs=bad)
 
 
+@pytest.mark.parametrize("n_rows, logit_std", [(128, 4.0), (2048, 1.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_no_worse_than_eager(dtype):
+def test_half_precision_no_worse_than_eager(dtype, n_rows, logit_std):
     """bf16/fp16 operands: log-probabilities, entropy and the gradient as exact as eager PyTorch on the logits
-    rounded to that dtype (PyTorch path: bf16 rounds to nearest there, the interpreter truncates)."""
-    hidden, weight, labels, _ = make_inputs(128, 64, 500, dtype=dtype, logit_std=4.0)
+    rounded to that dtype (PyTorch path: bf16 rounds to nearest there, the interpreter truncates). The frozen
+    head's dX is made in forward before the weights are known: with 2048 rows of flat rows a weight of -1/count
+    would put G among fp16's subnormals (2.3x eager's error)."""
+    hidden, weight, labels, _ = make_inputs(n_rows, 64, 500, dtype=dtype, logit_std=logit_std)
     hidden.requires_grad_(True)
-    a = torch.randn(128)
+    a = torch.randn(n_rows)
     (logprobs, entropy, _, _), grads = reference(hidden, weight, labels, a=a)
     h_eager = hidden.detach().clone().requires_grad_(True)
     z = (h_eager @ weight.T).float()
@@ -403,3 +406,16 @@ def test_one_row(backend):
     (out.logprobs.sum() + out.entropy.sum()).backward()
     _, grads = reference(hidden, weight, labels, a=torch.ones(1), b=torch.ones(1))
     assert rel_err(hidden.grad, grads["hidden"]) <= 2e-5 and rel_err(weight.grad, grads["weight"]) <= 2e-5
+
+
+@pytest.mark.parametrize("expected", ["logprobs", "logprobs_and_entropy", "uniform"])
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+def test_no_tokens(backend, expected, head):
+    """An empty batch: empty outputs and zero gradients, as eager gives (backward's uniformity check has no row
+    to reduce over)."""
+    hidden = torch.randn(0, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=head == "trainable")
+    out = token_stats(hidden, weight, torch.zeros(0, dtype=torch.int64), expected_grads=expected)
+    (-out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
+    assert out.logprobs.shape == (0,) and hidden.grad.shape == (0, H)
+    assert weight.grad is None if head == "frozen" else (weight.grad.shape == (V, H) and not weight.grad.any())
