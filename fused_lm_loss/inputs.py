@@ -168,7 +168,7 @@ def resolve_scaling(opts: LossOptions, scaling: float | torch.Tensor | None) -> 
             return None, 1.0
         if isinstance(scaler._scale, torch.Tensor):
             return scaler._scale, 1.0
-        # before its first scale(): that call will scale by init_scale (by 1 when disabled), as get_scale() says
+        # before its first scale(): that call will scale by init_scale, as get_scale() says
         return None, float(scaler._init_scale)
     return None, float(scaler.get_scale())
 

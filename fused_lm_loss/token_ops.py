@@ -55,7 +55,8 @@ def mean_nll_weight(count: int) -> float:
 def component_weight(count: int, matmul_dtype: torch.dtype, vocab_side: bool) -> float:
     """The logprob component's per-row weight in forward: ``mean_nll_weight`` (backward then returns an SFT loss's
     gradients untouched), but -1 for a frozen head in fp16, whose G = p / count would sink into fp16's subnormals
-    at large counts (a frozen head's components feed only dX / du, saved wide, and backward weights each row)."""
+    at large counts (a frozen head's components feed only dX / du, one row each, no sum over rows that -1 could
+    overflow, and backward weights each row anyway)."""
     return -1.0 if matmul_dtype == torch.float16 and not vocab_side else mean_nll_weight(count)
 
 
