@@ -16,7 +16,9 @@ heads) raises ``NotImplementedError`` naming it, never a silently different loss
 """
 from __future__ import annotations
 
+import importlib
 import sys
+
 import torch
 from torch import nn
 
@@ -63,28 +65,33 @@ def _resolve(head: nn.Module, x: torch.Tensor | None) -> Pieces:
 
 
 def _fsdp2_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (torch < 2.6: in ``torch.distributed._composable.fsdp``), or None. Looked up once, at
+    import: under torch.compile on torch 2.5 a failing import inside the traced forward is a Dynamo error, not
+    the ImportError it would be in eager."""
     if not torch.distributed.is_available():
         return None
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # (torch < 2.6)
+    for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
         try:
-            from torch.distributed._composable.fsdp import FSDPModule
+            found = getattr(importlib.import_module(path), "FSDPModule", None)
         except ImportError:
-            return None
-    return FSDPModule
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+FSDP2_MODULE = _fsdp2_module_class()
 
 
 def _is_fsdp2_unit(module: nn.Module) -> bool:
-    fsdp_module = _fsdp2_module_class()
-    return fsdp_module is not None and isinstance(module, fsdp_module)
+    return FSDP2_MODULE is not None and isinstance(module, FSDP2_MODULE)
 
 
 def _own_class(module: nn.Module) -> type:
     """The module's class, through the subclass FSDP2's fully_shard swaps in (FSDPLinear(FSDPModule, cls))."""
     cls = type(module)
     if _is_fsdp2_unit(module):
-        return next(base for base in cls.__bases__ if base is not _fsdp2_module_class())
+        return next(base for base in cls.__bases__ if base is not FSDP2_MODULE)
     return cls
 
 

@@ -81,8 +81,12 @@ def install() -> None:
             f"versions this was tested with: {', '.join(SUPPORTED)} (pip install trl=={SUPPORTED[-1]}), since TRL "
             "offers no public hook for it and its internals change between releases"
         )
-    import trl.trainer.utils as trl_utils
-
+    try:
+        import trl.trainer.utils as trl_utils
+    except ImportError as error:  # (TRL's trainers do not import here, e.g. beside a transformers it does not support)
+        warnings.warn(f"fused_lm_loss: TRL {trl.__version__} is installed but its trainers do not import ({error}); "
+                      "its fused LM head is not patched", stacklevel=3)
+        return
     _trl_function = trl_utils._ChunkedLogProbFunction
     trl_utils._ChunkedLogProbFunction = FusedLogProbs
     _install_divergence()

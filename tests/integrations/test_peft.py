@@ -113,13 +113,14 @@ def test_lora_head_as_its_own_fsdp2_unit_is_refused_clearly():
     as LoRA through it, and refused with a clear error, since FSDP2 would gather the adapters for backward only
     through a hook on lm_head's output, which the fused loss never uses. (The swap is made here as fully_shard
     makes it, without a process group.)"""
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    from fused_lm_loss.integrations.peft import _own_class
+    from fused_lm_loss.integrations.peft import FSDP2_MODULE, _own_class
 
+    if FSDP2_MODULE is None:
+        pytest.skip("no FSDP2 in this torch")
     model = _peft(make_model(), target_modules=["lm_head"])
     head = model.get_base_model().lm_head
     lora_class = type(head)
-    head.__class__ = type(f"FSDP{lora_class.__name__}", (fsdp.FSDPModule, lora_class), {})
+    head.__class__ = type(f"FSDP{lora_class.__name__}", (FSDP2_MODULE, lora_class), {})
     assert _own_class(head) is lora_class
     with pytest.raises(NotImplementedError, match="FSDP2 shards as a unit of its own"):
         fused_lm_loss.patch(model)

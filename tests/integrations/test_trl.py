@@ -188,6 +188,19 @@ def test_unpatched_models_keep_trls_own_head(monkeypatch):
         assert rel_err(out[0], want) <= 1e-6 and len(calls) == expected_calls
 
 
+def test_a_trl_whose_trainers_do_not_import_is_left_alone_with_a_warning(monkeypatch):
+    """TRL installed beside a transformers it does not support (its trainer module raises ImportError): patch()
+    still patches the model, and warns that TRL's head is not replaced (TRL's trainers cannot run there)."""
+    monkeypatch.setattr(trl_integration, "_trl_function", None)
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)  # (an import of it raises ImportError)
+    model = make_model("llama")
+    with pytest.warns(UserWarning, match="its trainers do not import"):
+        fused_lm_loss.patch(model)
+    assert trl_integration._trl_function is None
+    batch = {"input_ids": torch.randint(0, VOCAB, (2, 6))}
+    assert torch.isfinite(model(**batch, labels=batch["input_ids"]).loss)
+
+
 def test_copies_and_reassigned_losses_route_trls_head_as_the_model_trains(monkeypatch):
     """A deepcopy of a patched model (a reference model) runs our kernels under TRL's head as the original does;
     a patched model whose loss_function is another callable (it computes logits, as unpatched) gets TRL's own."""
