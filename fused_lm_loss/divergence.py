@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
-from .inputs import check_gathered_for_backward, matmul_inputs, reject_sharded
+from .inputs import check_gathered_for_backward, check_labels, matmul_inputs, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, shapes_only
-from .options import MATMUL_DTYPES
+from .options import MATMUL_DTYPES, check_ignore_index, check_real
 from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
 from .transform import LogitTransform
 
@@ -79,15 +79,13 @@ class DivergenceOptions:
             value = getattr(self, name)
             if value is None and name in ("beta", "student_softcap", "teacher_softcap"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            check_real(name, value)
             if name == "beta":
                 if self.kind == "jsd" and not 0.0 < value < 1.0:
                     raise ValueError(f"beta must be in (0, 1) for kind='jsd' (0 and 1 are the two KLs), got {value}")
             elif value <= 0.0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        check_ignore_index(self.ignore_index)
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                             or self.chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
@@ -370,10 +368,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
         raise ValueError("give labels (positions equal to ignore_index are left out) or mask, not both")
     n = math.prod(batch)
     if labels is not None:
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-            raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
-        if tuple(labels.shape) != batch:
-            raise ValueError(f"labels {tuple(labels.shape)} must match the hidden states' leading dimensions {batch}")
+        check_labels(labels, torch.Size(batch), student_hidden.device)
         selected = label_ids(labels) != opts.ignore_index
     elif mask is not None:
         if mask.dtype != torch.bool or tuple(mask.shape) != batch:

@@ -60,23 +60,21 @@ class LossOptions:
     keep_logits: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int) or not (
-                -(2**63) <= self.ignore_index < 2**63):
-            raise ValueError(f"ignore_index must be an int64, got {self.ignore_index!r}")
+        check_ignore_index(self.ignore_index)
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        _check_real("label_smoothing", self.label_smoothing)
+        check_real("label_smoothing", self.label_smoothing)
         if not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
-        _check_real("z_loss", self.z_loss)
+        check_real("z_loss", self.z_loss)
         if self.z_loss < 0.0:
             raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
         if self.softcap is not None:
-            _check_real("softcap", self.softcap)
+            check_real("softcap", self.softcap)
             if self.softcap <= 0.0:
                 raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
         for name in ("logit_scale", "temperature"):
-            _check_real(name, getattr(self, name))
+            check_real(name, getattr(self, name))
             if getattr(self, name) <= 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.chunk_size is not None:
@@ -204,9 +202,16 @@ def operator_fields() -> list[tuple[str, str | None, Any]]:
     return out
 
 
-def _check_real(name: str, value: Any) -> None:
+def check_real(name: str, value: Any) -> None:
+    """A finite int or float (not a bool), else a ValueError naming the option."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def check_ignore_index(value: Any) -> None:
+    """An int that int64 labels can equal (a larger one would overflow the comparison with them)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+        raise ValueError(f"ignore_index must be an int64, got {value!r}")
 
 
 def is_finite(value: float) -> bool:

@@ -212,7 +212,8 @@ def test_bad_arguments_raise():
     for bad, match in ((dict(kind="kl"), "kind"), (dict(kind="jsd", beta=0.0), "beta"), (dict(kind="jsd", beta=1.5),
                        "beta"), (dict(temperature=0.0), "temperature"), (dict(student_softcap=-1.0), "student_softcap"),
                        (dict(reduction="avg"), "reduction"), (dict(chunk_size=0), "chunk_size"),
-                       (dict(ignore_index=1.5), "ignore_index"), (dict(beta=1.0), "beta is the mixture weight"),
+                       (dict(ignore_index=1.5), "ignore_index"), (dict(ignore_index=2**70), "ignore_index"),
+                       (dict(temperature=float("nan")), "temperature"), (dict(beta=1.0), "beta is the mixture weight"),
                        (dict(kind="reverse_kl", beta=0.3), "beta is the mixture weight")):
         with pytest.raises(ValueError, match=match):
             fused_divergence(sh, sw, th, tw, labels, **bad)
@@ -220,6 +221,9 @@ def test_bad_arguments_raise():
             FusedDivergence(**bad)
     with pytest.raises(ValueError, match="vocabularies"):
         fused_divergence(sh, sw, th, tw[:-1], labels)
+    for bad_labels, match in ((labels.float(), "integer"), (labels[:-1], "labels shape")):
+        with pytest.raises(ValueError, match=match):
+            fused_divergence(sh, sw, th, tw, bad_labels)
     with pytest.raises(ValueError, match="leading"):
         fused_divergence(sh, sw, th[:-1], tw, labels)
     with pytest.raises(ValueError, match="features"):
