@@ -161,18 +161,23 @@ def token_stats(
 
     into the (rows,) fp32 outputs (argmax int64, the last two when given; skipped when None). p_j z_j is 0 where p_j is 0 (a -inf logit
     carries no probability), as ``torch.distributions.Categorical(logits=z).entropy()`` has it.
+
+    As the kernel, relative to the row maximum m (kernels/token_stats.py): entropy = log s - sum_j p_j (z_j - m) and
+    logprob = (z_t - m) - log s, so that neither cancels lse against a logit (lse - E[z] loses the entropy at
+    large logits: all of it past |z| ~ 1e7).
     """
     z, _ = transform.apply(logits)
     row_max = z.amax(dim=1)
     shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
-    e = torch.exp(z - shift[:, None])
+    centered = z - shift[:, None]
+    e = torch.exp(centered)
     sumexp = e.sum(dim=1)
-    lse = shift + torch.log(sumexp)
+    log_sumexp = torch.log(sumexp)
     p = e / sumexp[:, None]
-    expected_z = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(dim=1)
-    lse_out.copy_(lse)
-    logprob_out.copy_(z.gather(1, target[:, None]).squeeze(1) - lse)
-    entropy_out.copy_(lse - expected_z)
+    expected_centered = torch.where(p > 0, p * centered, torch.zeros_like(p)).sum(dim=1)
+    lse_out.copy_(shift + log_sumexp)
+    logprob_out.copy_(centered.gather(1, target[:, None]).squeeze(1) - log_sumexp)
+    entropy_out.copy_(log_sumexp - expected_centered)
     if argmax_out is not None:
         argmax_out.copy_(z.argmax(dim=1))
     if mean_logit_out is not None:

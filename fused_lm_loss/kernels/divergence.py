@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import shares_memory
-from .online import LOG2E, floor_exponent
+from .online import LOG2E, base2_reference, exponent, residual
 from .transform import chain_rule, loss_space, transform_scalars
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -84,15 +84,16 @@ def _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_c
 
 
 @triton.jit
-def _online_step(z, running_max, running_ref):
-    """(new max, new base-2 reference c, e = 2^(z LOG2E - c), its exponent, 2^(old c - new c)) of one block."""
+def _online_step(z, running_max, running_ref, running_offset):
+    """(new max, new base-2 reference (c, offset), e = 2^(z LOG2E - c - offset), its exponent, the old reference
+    minus the new) of one block (``online.base2_reference``)."""
     new_max = tl.maximum(running_max, tl.max(z, axis=0))
-    # while the row is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select
-    new_ref = tl.where(new_max == float("-inf"), 0.0, new_max * LOG2E)
-    exponent = floor_exponent(tl.fma(z, LOG2E, -new_ref))
+    # while the row is all -inf the reference is 0, not -inf (-inf - -inf = NaN)
+    new_ref, new_offset = base2_reference(new_max)
+    t = exponent(z, new_ref, new_offset)
     # c only grows, but from the all -inf state (sums 0) it may fall: the min keeps 2^delta finite there
-    delta = tl.minimum(running_ref - new_ref, 0.0)
-    return new_max, new_ref, tl.exp2(exponent), exponent, delta
+    delta = tl.minimum((running_ref - new_ref) + (running_offset - new_offset), 0.0)
+    return new_max, new_ref, new_offset, tl.exp2(t), t, delta
 
 
 @triton.jit
@@ -159,10 +160,12 @@ def _divergence_kernel(
     # ---- pass 1: (m, s) of both sides, the KL's cross sum, the entropy's w ----
     max_s = float("-inf")
     ref_s = 0.0  # base-2 reference of the student's sums: fl(m_s LOG2E), 0 while all -inf
+    offset_s = 0.0  # its integer correction (online.base2_reference)
     sumexp_s = 0.0
     wsum_s = 0.0
     max_t = float("-inf")
     ref_t = 0.0
+    offset_t = 0.0
     sumexp_t = 0.0
     cross = 0.0  # sum_j e_j d_j, e of the teacher (MODE 0) or of the student (MODE 1), base 2 as that side's s
     for start in range(0, n_cols, BLOCK_V):
@@ -170,8 +173,8 @@ def _divergence_kernel(
         mask = cols < n_cols
         z_s, z_t, d, _ = _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_cap, t_factor,
                                        t_u_per_x, t_cap, S_HAS_SOFTCAP, S_HAS_FACTOR, T_HAS_SOFTCAP, T_HAS_FACTOR)
-        max_s, new_ref_s, e_s, exponent_s, delta_s = _online_step(z_s, max_s, ref_s)
-        max_t, new_ref_t, e_t, _, delta_t = _online_step(z_t, max_t, ref_t)
+        max_s, ref_s, offset_s, e_s, exponent_s, delta_s = _online_step(z_s, max_s, ref_s, offset_s)
+        max_t, ref_t, offset_t, e_t, _, delta_t = _online_step(z_t, max_t, ref_t, offset_t)
         rescale_s = tl.exp2(delta_s)
         rescale_t = tl.exp2(delta_t)
         if NEED_ENTROPY:  # w in base 2 relative to c (token_stats): w' = 2^delta (w + delta s)
@@ -183,11 +186,9 @@ def _divergence_kernel(
             cross = cross * rescale_s + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * d), axis=0)
         sumexp_s = sumexp_s * rescale_s + tl.sum(e_s, axis=0)
         sumexp_t = sumexp_t * rescale_t + tl.sum(e_t, axis=0)
-        ref_s = new_ref_s
-        ref_t = new_ref_t
-    # base e relative to m itself: s <- 2^-r s, w <- 2^-r (w - r s) ln 2, r = m LOG2E - c exactly (token_stats)
-    residual_s = tl.where(max_s == float("-inf"), 0.0, tl.fma(max_s, LOG2E, -ref_s))
-    residual_t = tl.where(max_t == float("-inf"), 0.0, tl.fma(max_t, LOG2E, -ref_t))
+    # base e relative to m itself: s <- 2^-r s, w <- 2^-r (w - r s) ln 2, r = m LOG2E - c - offset (token_stats)
+    residual_s = residual(max_s, ref_s, offset_s)
+    residual_t = residual(max_t, ref_t, offset_t)
     log_sumexp_s = tl.log(sumexp_s) - residual_s * LN2
     log_sumexp_t = tl.log(sumexp_t) - residual_t * LN2
     lse_gap = (max_t - max_s) + (log_sumexp_t - log_sumexp_s)  # D = lse_t - lse_s

@@ -22,6 +22,34 @@ def floor_exponent(t):
 
 
 @triton.jit
+def base2_reference(row_max):
+    """(c, offset): the base-2 reference of a running maximum m that is exactly m LOG2E minus a residual in [-1/2, 1/2].
+
+    c = fl(m LOG2E) (0 while the row is all -inf) is what an element's exponent subtracts in one FFMA; fl rounds m LOG2E
+    by up to half an ulp, which is < 1/2 only below 2^24 (|m| < ~1.2e7). Above, the residual r = fma(m, LOG2E, -c)
+    (exact) is up to 2^(e - 24) and 2^r would overflow fp32 at r >= 128 (|m| > ~1.5e9), so its integer part,
+    offset = floor(r + 1/2), is taken out of every exponent too: t = fma(z, LOG2E, -c) - offset (``exponent``), and the
+    residual left (``residual``) is in [-1/2, 1/2]. Below 2^24 the offset is 0 and t is the FFMA's own result."""
+    ref = tl.where(row_max == float("-inf"), 0.0, row_max * LOG2E)
+    offset = tl.where(row_max == float("-inf"), 0.0, tl.floor(tl.fma(row_max, LOG2E, -ref) + 0.5))
+    return ref, offset
+
+
+@triton.jit
+def exponent(z, ref, offset):
+    """t = z LOG2E - (c + offset), clamped to -FLT_MAX (``floor_exponent``): e = 2^t is z's weight relative to the
+    reference, and 2^t t is 0 at a -inf logit."""
+    return floor_exponent(tl.fma(z, LOG2E, -ref) - offset)
+
+
+@triton.jit
+def residual(row_max, ref, offset):
+    """m LOG2E - (c + offset), in [-1/2, 1/2] (0 while all -inf): sums relative to the reference times 2^-residual
+    are relative to m itself."""
+    return tl.where(row_max == float("-inf"), 0.0, tl.fma(row_max, LOG2E, -ref) - offset)
+
+
+@triton.jit
 def segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS: tl.constexpr):
     """(offsets, mask) of segments [first, first + BLOCK_SEGMENTS) x ``rows`` in a (segments, n_rows) partial."""
     segments = first + tl.arange(0, BLOCK_SEGMENTS)

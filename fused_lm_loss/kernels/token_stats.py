@@ -53,7 +53,7 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import check_target
-from .online import LOG2E, floor_exponent, merge_segments, segment_block
+from .online import base2_reference, exponent, floor_exponent, merge_segments, residual, segment_block
 from .row_stats import target_logit
 from .transform import loss_space, transform_scalars
 
@@ -83,10 +83,13 @@ def online_token_stats(
     Inside the loop s and w are kept in base 2, relative to c = fl(m * LOG2E), so that each element's exponent
     is one FFMA, t = fma(z, LOG2E, -c), and serves as its own weight: s = sum 2^t, w = sum 2^t t. With the
     exact rounding residual r = m * LOG2E - c = fma(m, LOG2E, -c) the segment's s and w are then moved to
-    base e relative to m itself (s <- 2^-r s, w <- 2^-r (w - r s) ln 2), so c rounds nothing away."""
+    base e relative to m itself (s <- 2^-r s, w <- 2^-r (w - r s) ln 2), so c rounds nothing away. (Beyond
+    |m| ~ 1.2e7 the integer part of r is taken out of t as well, so that 2^t and 2^-r stay finite:
+    ``online.base2_reference``.)"""
     offsets = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
     running_ref = 0.0  # c, base-2 reference of s and w: fl(m * LOG2E), 0 while all -inf
+    running_offset = 0.0  # its integer correction, 0 below |m| ~ 1.2e7 (online.base2_reference)
     running_sumexp = 0.0
     running_wsum = 0.0
     running_arg = 0
@@ -103,14 +106,14 @@ def online_token_stats(
         block_max = tl.max(z, axis=0)
         new_max = tl.maximum(running_max, block_max)
         # While the segment is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select.
-        new_ref = tl.where(new_max == float("-inf"), 0.0, new_max * LOG2E)
+        new_ref, new_offset = base2_reference(new_max)
         # -inf logits: t = -FLT_MAX, 2^t = 0 and 2^t t = 0 (not 0 * -inf = NaN)
-        t = floor_exponent(tl.fma(z, LOG2E, -new_ref))
+        t = exponent(z, new_ref, new_offset)
         e = tl.exp2(t)
         block_sumexp = tl.sum(e, axis=0)
         block_wsum = tl.sum(e * t, axis=0)
         # c only grows, but from the all -inf state (s = w = 0) it may fall: the min keeps 2^delta finite there
-        delta = tl.minimum(running_ref - new_ref, 0.0)
+        delta = tl.minimum((running_ref - new_ref) + (running_offset - new_offset), 0.0)
         rescale = tl.exp2(delta)
         running_wsum = rescale * (running_wsum + delta * running_sumexp) + block_wsum
         running_sumexp = running_sumexp * rescale + block_sumexp
@@ -123,9 +126,10 @@ def online_token_stats(
                 running_arg = tl.min(tl.where(z == block_max, cols, INT32_MAX), axis=0)
         running_max = new_max
         running_ref = new_ref
-    residual = tl.where(running_max == float("-inf"), 0.0, tl.fma(running_max, LOG2E, -running_ref))
-    rescale = tl.exp2(-residual)
-    wsum = (rescale * (running_wsum - residual * running_sumexp)) * LN2
+        running_offset = new_offset
+    r = residual(running_max, running_ref, running_offset)
+    rescale = tl.exp2(-r)
+    wsum = (rescale * (running_wsum - r * running_sumexp)) * LN2
     return running_max, running_sumexp * rescale, wsum, running_arg, running_squares * (rescale * rescale), running_sum
 
 

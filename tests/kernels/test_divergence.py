@@ -29,6 +29,8 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 #: where the float64 reference puts a -inf logit: exp underflows to exactly 0 (p = 0, p log p = 0 * finite), a
 #: softcap's tanh is exactly -1, and autograd stays finite
 FLOAT64_NEG_INF = -1e30
+#: an fp32 logit whose fl(z LOG2E) is off z LOG2E by -255.7: 2^255.7 overflows fp32
+HUGE = 3000448000.0
 
 
 def _z(x, transform):
@@ -298,6 +300,28 @@ def test_divergence_rows_of_close_distributions_is_accurate(beta):
     _assert_values(got_entropy, entropy, z_max, "entropy")
     got, _ = _run(torch_backend.divergence_rows, student_logits, teacher_logits, beta, transforms)
     _assert_values(got, value, z_max, "twin")
+
+
+@requires_exact_fma
+@pytest.mark.parametrize("beta", BETAS)
+def test_divergence_rows_of_huge_logits(beta):
+    """Logits at 2e7 (past 2^24 / LOG2E: the base-2 reference's integer correction, online.base2_reference) and at
+    3e9, where fl(m LOG2E) is 255.7 off m LOG2E (2^255.7 overflows fp32): what float64 gives, to 1e-5."""
+    vocab = 700
+    transforms = (LogitTransform(), LogitTransform())
+    student_logits, teacher_logits = (2e7 + 2.0 * torch.randint(0, 4, (4, vocab)).float() for _ in range(2))
+    student_logits[1], teacher_logits[1] = -student_logits[1], -teacher_logits[1]
+    student_logits[2:], teacher_logits[2:] = -3e9, -3e9
+    student_logits[2:, [3, 50, 400, 699]] = HUGE  # four exact ties on top; the teacher's three of them
+    teacher_logits[2:, [3, 50, 400]] = HUGE
+    teacher_logits[3, 699] = HUGE - 256.0  # one ulp below: no mass, no infinity
+    value, entropy, grad, _ = _float64(student_logits, teacher_logits, beta, transforms)
+    for impl in IMPLS:
+        grad_out = torch.full((4, vocab), float("nan"))
+        got, got_entropy = _run(impl, student_logits, teacher_logits, beta, transforms, grad_out=grad_out)
+        for what, have, want in (("divergence", got, value), ("entropy", got_entropy, entropy), ("grad", grad_out, grad)):
+            torch.testing.assert_close(have.double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{impl.__module__} {what}: {m}")
 
 
 def test_divergence_rows_checks_its_arguments():

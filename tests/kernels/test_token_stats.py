@@ -119,6 +119,30 @@ def test_token_stats_entropy_of_large_logits_is_accurate():
     assert rel_err(got_lse, lse) < 1e-7
 
 
+@pytest.mark.parametrize("impl", [pytest.param(token_stats, marks=requires_exact_fma), torch_backend.token_stats])
+def test_token_stats_of_huge_logits_are_finite(impl):
+    """Logits past |z| ~ 1.5e9, where fl(m LOG2E) is off from m LOG2E by >= 128 (2^128 overflows fp32), and past
+    2^24 / LOG2E, where the reference's integer correction starts: what float64 gives, to fp32 resolution."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 700) * 1e9
+    logits[1] = -3e9
+    logits[1, [3, 50, 400, 699]] = 3000448000.0  # four exact ties on top (entropy log 4), fl(z LOG2E) off by 255.7
+    logits[2] *= 1e21
+    logits[3] = 2e7 + 2.0 * torch.randint(0, 4, (700,))  # magnitude 2e7, steps of one ulp's 2: a real entropy
+    logits[4] = -logits[3]
+    target = torch.randint(0, 700, (5,))
+    target[1] = 50
+    logprob, entropy, lse, argmax, _ = _float64(logits, target, logit_scale=1.0)
+    got = _run_stats(impl, logits, target, logit_scale=1.0)
+    for name, have, want in zip(("logprob", "entropy", "lse"), got, (logprob, entropy, lse)):
+        assert torch.isfinite(have).all(), (name, have)
+        # one fp32 ulp of each row's largest |z| (lse, logprob); entropy, a difference of logits, to 1e-5
+        ulp = 2.0 ** (torch.frexp(logits.abs().amax(1)).exponent - 23).double()
+        slack = 1e-5 if name == "entropy" else 2 * ulp
+        assert ((have.double() - want).abs() <= slack).all(), (name, have, want)
+    assert torch.equal(got[3], argmax)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("segment_cols", [None, 256])
 def test_token_stats_argmax_ties_take_the_lowest_column(dtype, segment_cols, monkeypatch):
