@@ -20,6 +20,12 @@ MULTIPLIER_FIELDS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
 #: logits = logits / field: Granite (MiniCPM3's field of that name divides the hidden states instead)
 DIVISOR_FIELDS = ("logits_scaling",)
 
+#: Models whose forward multiplies by a field that DIVISOR_FIELDS names (HyperCLOVAX's muP ``logits_scaling``).
+MULTIPLIED_BY: dict[str, str] = {
+    "HyperCLOVAXForCausalLM": "logits_scaling",
+    "HyperCLOVAXVisionV2ForConditionalGeneration": "logits_scaling",
+}
+
 #: Fields a model's config has but its forward does not apply to the logits.
 IGNORED_FIELDS: dict[str, frozenset] = {
     "Gemma3ForConditionalGeneration": frozenset({"final_logit_softcapping"}),  # no softcap in its forward
@@ -61,7 +67,8 @@ def model_options(model: nn.Module) -> dict:
             scale *= float(field(name))
     for name in DIVISOR_FIELDS:
         if field(name) is not None:
-            scale /= float(field(name))
+            multiplies = MULTIPLIED_BY.get(type(model).__name__) == name
+            scale = scale * float(field(name)) if multiplies else scale / float(field(name))
     softcap = next((float(field(name)) for name in SOFTCAP_FIELDS if field(name) is not None), None)
     return {"softcap": softcap, "logit_scale": scale}
 

@@ -71,7 +71,8 @@ class FusedCall:
                 f"fused_lm_loss: {name} changes the labels or loss arguments between its forward and "
                 "loss_function; the fused loss cannot reproduce that"
             )
-        if vocab_size != self.vocab:
+        # (a forward that passes its logits' width, as Inkling's, passes the probe's: the lm_head's rows unpatched)
+        if vocab_size not in (self.vocab, len(_PROBE_VALUES)):
             raise RuntimeError(
                 f"fused_lm_loss: {name}'s lm_head has {self.vocab} rows but its loss uses vocab_size={vocab_size}"
             )

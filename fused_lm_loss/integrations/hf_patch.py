@@ -116,8 +116,10 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"{type(target).__name__} is not patched by fused_lm_loss")
     if not isinstance(target.__dict__.get("forward"), _FusedForward):
         raise RuntimeError(
-            f"{type(target).__name__}.forward was wrapped again after patch() (e.g. by a TRL trainer built on the "
-            "patched model): unpatching would remove that wrapper too. Unpatch before wrapping, or keep the patch"
+            f"{type(target).__name__}.forward was wrapped again after patch() (accelerate's mixed-precision "
+            "wrapper, e.g. Trainer(bf16=True) or a TRL trainer built on the patched model): unpatching would remove "
+            "that wrapper too. Unwrap it first (accelerator.unwrap_model(model, keep_fp32_wrapper=False)), unpatch "
+            "before wrapping, or keep the patch"
         )
     target.__class__ = state.original_class
     del target.__dict__[_STATE_ATTR]
@@ -180,11 +182,25 @@ class _PatchState:
             raise TypeError(f"loss_function must be callable, got {type(loss_fn).__name__}")
         user = FusedLMLoss() if loss_fn is None else loss_fn
         if isinstance(user, FusedLMLoss):
+            check_only_options(user, model)
             self.fused_options = _merge_options(user.options, self.model_options, self.grad_scaler, model)
         else:
             self.fused_options = None
         self.user_loss = loss_fn
         model._modules.pop("loss_function", None)
+
+
+def check_only_options(loss: FusedLMLoss, model: nn.Module) -> None:
+    """A patched model computes its loss from the FusedLMLoss's options alone (the loss inside lm_head's call): a
+    subclass's own forward or a forward hook on the loss would never run, so they are refused, not dropped."""
+    overridden = type(loss).forward is not FusedLMLoss.forward
+    if overridden or loss._forward_hooks or loss._forward_pre_hooks:
+        what = f"{type(loss).__name__} overrides forward" if overridden else "the loss has forward hooks"
+        raise ValueError(
+            f"{what}, but a patched {type(model).__name__} uses only a FusedLMLoss's options (it computes the loss "
+            "inside lm_head's call, never calling the module). Assign a plain FusedLMLoss(...) and transform the "
+            "model's loss instead, or assign your own callable (the model then computes its logits)"
+        )
 
 
 def _merge_options(user: LossOptions, model_options: dict, grad_scaler: Any, model: nn.Module) -> LossOptions:
@@ -275,6 +291,8 @@ class _FusedForward:
             if state.user_loss is None:  # exactly as before patching
                 return self.inner(*args, **kwargs)
             return self._run(state, functools.partial(causal_lm_loss, state.fused_options), args, kwargs)
+        if state.user_loss is not None:  # (hooks registered on it after the assignment)
+            check_only_options(state.user_loss, model)
         head = model.get_output_embeddings()
         _HeadForward.install(head, state)  # already there, unless peft replaced lm_head after patch()
         deepspeed_integration.register_partitioned_head(model, head)  # ZeRO-3: gathered for backward too
@@ -328,7 +346,13 @@ class _HeadForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.state.call is not None:
-            return self.state.call.head_forward(*args, **kwargs)
+            hook = getattr(self.head, "_hf_hook", None)
+            if hook is None:
+                return self.state.call.head_forward(*args, **kwargs)
+            # accelerate (device_map): its hook moves the hidden states to lm_head's device and loads an offloaded
+            # weight before the forward (and releases it after), as its own wrapper (``self.saved``) does
+            args, kwargs = hook.pre_forward(self.head, *args, **kwargs)
+            return hook.post_forward(self.head, self.state.call.head_forward(*args, **kwargs))
         if self.saved is not None:
             return self.saved(*args, **kwargs)
         return type(self.head).forward(self.head, *args, **kwargs)

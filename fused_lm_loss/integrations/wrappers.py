@@ -1,5 +1,6 @@
-"""The model inside its wrappers: peft (PeftModel, tuners such as LoraModel) and torch's DistributedDataParallel /
-DataParallel. patch() and the loss_function assignment hook both reach the transformers model through it."""
+"""The model inside its wrappers: peft (PeftModel, tuners such as LoraModel), torch's DistributedDataParallel /
+DataParallel / FullyShardedDataParallel (FSDP1) and DeepSpeed's engine. patch() and the loss_function assignment
+hook both reach the transformers model through it."""
 from __future__ import annotations
 
 from torch import nn
@@ -7,12 +8,17 @@ from torch import nn
 
 def inner_model(module: nn.Module) -> nn.Module:
     """The model inside its wrappers: a peft PeftModel (``get_base_model()``) or tuner such as LoraModel
-    (``.model``), torch's DistributedDataParallel / DataParallel (``.module``); the module itself otherwise."""
+    (``.model``); torch's DistributedDataParallel / DataParallel, FSDP1's FullyShardedDataParallel and DeepSpeed's
+    DeepSpeedEngine (``.module``); the module itself otherwise. (Named by their modules, so that neither torch.distributed
+    nor deepspeed is imported here.)"""
     while True:
-        if type(module).__module__.startswith("peft."):
+        kind = type(module).__module__
+        if kind.startswith("peft."):
             inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "model", None)
-        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            inner = module.module
+        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or (
+            type(module).__name__ == "FullyShardedDataParallel" and kind.startswith("torch.distributed.fsdp")
+        ) or (type(module).__name__ == "DeepSpeedEngine" and kind.startswith("deepspeed.")):
+            inner = getattr(module, "module", None)
         else:
             return module
         if not isinstance(inner, nn.Module) or inner is module:

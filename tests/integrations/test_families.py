@@ -46,6 +46,9 @@ FAMILIES = {
         dict(SMALL, num_key_value_heads=2, **MAMBA, attn_layer_indices=[1], use_mamba_kernels=False,
              z_loss_coefficient=0.0),
     ),
+    "hyperclovax_multiplies_by_logits_scaling": (  # (Granite divides by its field of that name)
+        "HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", dict(TEXT, logits_scaling=0.5),
+    ),
     "paligemma2_text_softcap": (
         "PaliGemmaForConditionalGeneration", "PaliGemmaConfig",
         dict(text_config=dict(TEXT, model_type="gemma2", query_pre_attn_scalar=8, sliding_window=8,

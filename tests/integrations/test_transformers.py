@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import warnings
 from pathlib import Path
 
@@ -321,6 +322,119 @@ def test_unsupported_models_raise_naming_the_class():
     fused_lm_loss.patch(model)
     with pytest.raises(RuntimeError, match="DoubledLogits"):
         model(**make_batch())
+
+
+def test_a_forward_passing_its_logits_width_as_vocab_size():
+    """Inkling's forward passes ``vocab_size=logits.shape[-1]``: under the patch, the probe's width, which stands for
+    the lm_head's rows (the width of its unpatched logits)."""
+
+    class WidthAsVocab(type(make_model())):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+            loss = self.loss_function(logits, labels, vocab_size=logits.shape[-1], **kwargs)
+            return transformers_output(loss=loss, logits=logits)
+
+    from transformers.modeling_outputs import CausalLMOutput as transformers_output
+
+    model = WidthAsVocab(make_model().config).train()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = make_batch()
+    out, got = _train_step(model, **batch)
+    want, want_grads = _train_step(ref, **batch)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), want.loss.detach()) <= 2e-4
+    assert_close_grads(got, want_grads)
+
+
+@pytest.mark.parametrize("how", ["subclass", "hook", "hook_after"])
+def test_a_loss_whose_module_call_would_be_skipped_is_refused(how):
+    """A patched model uses a FusedLMLoss's options only (the loss is made inside lm_head's call): a subclass's
+    forward, or a forward hook, would silently never run, so they raise (also a hook added after assigning)."""
+
+    class Doubled(FusedLMLoss):
+        def forward(self, *args, **kwargs):
+            return 2.0 * super().forward(*args, **kwargs)
+
+    model = make_model()
+    loss = Doubled() if how == "subclass" else FusedLMLoss()
+    if how == "hook":
+        loss.register_forward_hook(lambda module, args, out: out * 2.0)
+    if how != "hook_after":
+        with pytest.raises(ValueError, match="uses only a FusedLMLoss's options"):
+            model.loss_function = loss
+        with pytest.raises(ValueError, match="uses only a FusedLMLoss's options"):
+            fused_lm_loss.patch(make_model(), loss)
+        return
+    model.loss_function = loss
+    loss.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match="forward hooks"):
+        model(**make_batch())
+
+
+def test_accelerate_device_map_offloaded_head(tmp_path):
+    """A model loaded with ``device_map`` (accelerate's hook on lm_head moves its input and loads an offloaded
+    weight): the patched training forward runs that hook around the fused loss, and matches the unpatched one."""
+    pytest.importorskip("accelerate")
+    make_model().save_pretrained(tmp_path / "model")
+    losses, input_grads = [], []
+    for patched in (False, True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model", device_map={"model": "cpu", "lm_head": "disk"}, offload_folder=tmp_path / "offload",
+            dtype=torch.float32,
+        ).train()
+        if patched:
+            fused_lm_loss.patch(model)
+        out = model(**make_batch())
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        input_grads.append(model.model.embed_tokens.weight.grad)
+    assert rel_err(losses[1], losses[0]) <= 2e-5
+    assert rel_err(input_grads[1], input_grads[0]) <= 2e-4
+
+
+def test_loss_assigned_through_fsdp1_and_deepspeed_takes_effect():
+    """``wrapper.loss_function = FusedLMLoss(...)`` on FSDP1's FullyShardedDataParallel or DeepSpeed's engine patches
+    the model inside (one gloo rank, in a subprocess: the process group stays out of this one)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch, torch.distributed as dist, fused_lm_loss\n"
+        "from fused_lm_loss.integrations import is_patched\n"
+        "from tests.integrations.hf_models import make_batch, make_model, twin\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n"
+        "wrappers = {'fsdp1': lambda m: FullyShardedDataParallel(m, device_id=torch.device('cpu'), use_orig_params=True)}\n"
+        "try:\n"
+        "    import deepspeed\n"
+        "    config = {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 0},\n"
+        "              'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
+        "    wrappers['deepspeed'] = lambda m: deepspeed.initialize(model=m, model_parameters=m.parameters(),\n"
+        "                                                           config=config)[0]\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "batch = make_batch()\n"
+        "for name, wrap in wrappers.items():\n"
+        "    model = make_model()\n"
+        "    ref = twin(model)\n"
+        "    ref.loss_function = fused_lm_loss.FusedLMLoss(label_smoothing=0.5)\n"
+        "    wrapped = wrap(model)\n"
+        "    wrapped.loss_function = fused_lm_loss.FusedLMLoss(label_smoothing=0.5)\n"
+        "    got, want = wrapped(**batch).loss.item(), ref(**batch).loss.item()\n"
+        "    print(name, is_patched(model), abs(got - want) <= 1e-5 * abs(want))\n"
+    )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([sys.executable, "-c", "import sys\n" + code, port], capture_output=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    lines = [line.split() for line in run.stdout.decode().splitlines() if line.split()[:1] in (["fsdp1"], ["deepspeed"])]
+    assert lines and all(line[1:] == ["True", "True"] for line in lines), run.stdout.decode() + run.stderr.decode()[-3000:]
 
 
 def test_importing_has_no_global_side_effect():
