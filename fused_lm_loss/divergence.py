@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
-from .inputs import check_gathered_for_backward, check_labels, matmul_inputs, reject_sharded
+from .inputs import check_gathered_for_backward, check_labels, grad_needs, matmul_inputs, reject_sharded
 from .ops_common import apply_factor, refuse_double_backward, shapes_only
 from .options import MATMUL_DTYPES, check_ignore_index, check_real
 from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
@@ -362,10 +362,13 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
                              f"{weight.shape[1]}")
     for name, bias, weight in (("student_bias", student_bias, student_weight), ("teacher_bias", teacher_bias,
                                                                                  teacher_weight)):
-        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"{name} must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+            raise ValueError(f"{name} must be a ({weight.shape[0]},) tensor, got "
+                             f"{tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}")
     if labels is not None and mask is not None:
         raise ValueError("give labels (positions equal to ignore_index are left out) or mask, not both")
+    if mask is not None and opts.ignore_index != DivergenceOptions.ignore_index:
+        raise ValueError(f"ignore_index={opts.ignore_index} applies to labels, and a mask was given: leave it unset")
     n = math.prod(batch)
     if labels is not None:
         check_labels(labels, torch.Size(batch), student_hidden.device)
@@ -383,7 +386,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     student = matmul_inputs(student_hidden, student_weight, student_bias, side="student")[:3]
     teacher = matmul_inputs(teacher_hidden.detach(), teacher_weight.detach(),
                             None if teacher_bias is None else teacher_bias.detach(), side="teacher")[:3]
-    needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in student]
+    needs = grad_needs(student)
     div, entropy, *_ = linear_divergence(
         student[0].reshape(n, student[0].shape[-1]), student[1], student[2], teacher[0].reshape(n, teacher[0].shape[-1]),
         teacher[1], teacher[2],

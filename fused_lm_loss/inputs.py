@@ -24,8 +24,33 @@ def linear_inputs(
     if low_rank is not None:
         check_low_rank(low_rank, hidden, weight)
     tensors = matmul_inputs(hidden, weight, bias, *(low_rank or (None, None)))
-    grad_mode = torch.is_grad_enabled()
-    return tensors, [grad_mode and t is not None and t.requires_grad for t in tensors]
+    return tensors, grad_needs(tensors)
+
+
+def grad_needs(tensors: tuple[torch.Tensor | None, ...]) -> list[bool]:
+    """Which of ``tensors`` need a gradient. Under ``torch.func.vmap`` a batched tensor reports requires_grad False
+    whatever the tensor it batches does, so the per-sample calls of PyTorch's fallback would make it no gradient:
+    that is refused (vmap without gradients, e.g. for evaluation, works)."""
+    if not torch.is_grad_enabled():
+        return [False for _ in tensors]
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            if t is not None and _batched_requires_grad(t):
+                raise RuntimeError(
+                    "fused_lm_loss under torch.func.vmap cannot make the gradient of a batched input (vmap hides its "
+                    "requires_grad from the operator): pass the batch as leading dimensions of hidden / labels (any "
+                    "number is taken), or loop over it"
+                )
+    return [t is not None and t.requires_grad for t in tensors]
+
+
+def _batched_requires_grad(t: torch.Tensor) -> bool:
+    functorch = torch._C._functorch
+    if not functorch.is_batchedtensor(t):
+        return False
+    while functorch.is_batchedtensor(t):
+        t = functorch.get_unwrapped(t)
+    return t.requires_grad
 
 
 def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:

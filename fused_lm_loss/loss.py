@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .inputs import check_logits, linear_inputs, num_items_tensor, resolve_scaling
+from .inputs import check_logits, grad_needs, linear_inputs, num_items_tensor, resolve_scaling
 from .options import LossOptions, check_supported
 
 
@@ -61,7 +61,7 @@ def logits_loss(
     check_supported(opts, "logits")
     check_logits(logits, labels)
     num_items = num_items_tensor(num_items_in_batch, opts)
-    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    need_grad = grad_needs((logits,))[0]
     return ops.logits_cross_entropy(logits, labels, num_items, need_grad, opts=opts)[0]
 
 

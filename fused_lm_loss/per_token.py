@@ -35,7 +35,7 @@ The operators are in ``token_ops.py``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -126,7 +126,10 @@ def token_stats_with(
     ``where`` (a key of ``options.UNSUPPORTED``) cannot honour raise, naming ``owner``."""
     if expected_grads not in EXPECTED_GRADS:
         raise ValueError(f"expected_grads must be one of {EXPECTED_GRADS}, got {expected_grads!r}")
-    if isinstance(extra_outputs, str) or any(name not in EXTRA_OUTPUTS for name in extra_outputs):
+    if isinstance(extra_outputs, str) or not isinstance(extra_outputs, Iterable):
+        raise ValueError(f"extra_outputs must be a sequence of names among {EXTRA_OUTPUTS}, got {extra_outputs!r}")
+    extra_outputs = tuple(extra_outputs)  # (an iterator is read once)
+    if any(name not in EXTRA_OUTPUTS for name in extra_outputs):
         raise ValueError(f"extra_outputs must be a sequence of names among {EXTRA_OUTPUTS}, got {extra_outputs!r}")
     check_supported(opts, where, owner)
     tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank)

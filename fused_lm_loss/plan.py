@@ -167,7 +167,7 @@ def make_plan(
     weight_dtype = matmul_dtype if weight is None else weight.dtype
     accum_dtype = torch.promote_types(opts.accum_dtype or weight_dtype, weight_dtype)
     operands = head.stats_operands
-    need_argmax = epilogue_stats and opts.return_token_accuracy
+    need_argmax = epilogue_stats and opts.return_token_accuracy and not vocab_tiles  # (a recompute takes no statistics)
     assert not (kept_logits == "store" and components)
     # (not with a process group: whether the epilogue serves depends on this rank's weight, and so would the number
     # of chunks, which every rank must share)

@@ -393,16 +393,20 @@ def test_hook_changing_a_saved_gradient_in_place_makes_a_retained_backward_raise
         loss.backward()
 
 
-@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=1.3)],
-                         ids=["plain", "smoothing-zloss-softcap"])
+@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, logit_scale=1.3),
+                                     dict(return_token_accuracy=True)],
+                         ids=["plain", "smoothing-zloss-softcap", "token-accuracy"])
 def test_per_token_recompute_over_vocabulary_tiles(backend, monkeypatch, options):
     """reduction="none" recomputes in backward for a per-token grad_output; with a vocabulary wider than the
-    budget allows in one chunk of all rows it tiles the columns: every gradient still equals float64."""
+    budget allows in one chunk of all rows it tiles the columns: every gradient still equals float64 (and the
+    token accuracy, a forward output, asks nothing of the recompute: no argmax over a tile)."""
     n, h, v = 50, 16, 280
     hidden, weight, labels, bias = make_inputs(n, h, v, bias=True)
     for t in (hidden, weight, bias):
         t.requires_grad_(True)
     loss = FusedLMLoss(reduction="none", **options)(hidden, weight, labels, bias)
+    if options.pop("return_token_accuracy", False):
+        loss = loss.loss
     per_logit = 4 + (plan.TORCH_BACKEND_TEMP_BYTES if backend == "torch" else 0)
     monkeypatch.setattr(plan, "LOGITS_BUDGET_BYTES", n * 50 * per_logit + n * 200)
     monkeypatch.setattr(plan, "MIN_TILE_COLS", 16)

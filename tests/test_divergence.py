@@ -237,12 +237,17 @@ def test_bad_arguments_raise():
         fused_divergence(sh, sw[:0], th, tw[:0], labels)
     with pytest.raises(ValueError, match="not both"):
         fused_divergence(sh, sw, th, tw, labels, mask=labels != -100)
+    with pytest.raises(ValueError, match="applies to labels"):  # (it would select nothing: silently unused)
+        fused_divergence(sh, sw, th, tw, mask=labels != -100, ignore_index=3)
     with pytest.raises(ValueError, match="integer"):
         fused_divergence(sh, sw, th, tw, labels.float())
     with pytest.raises(ValueError, match="mask"):
         fused_divergence(sh, sw, th, tw, mask=labels)
     with pytest.raises(ValueError, match="return_entropy"):
         fused_divergence(sh, sw, th, tw, labels, return_entropy="yes")
+    for bad_bias in ([0.0] * tw.shape[0], torch.zeros(tw.shape[0] + 1)):
+        with pytest.raises(ValueError, match="student_bias"):
+            fused_divergence(sh, sw, th, tw, labels, student_bias=bad_bias)
     with pytest.raises(ValueError, match="return_entropy"):
         FusedDivergence(return_entropy=1)
 

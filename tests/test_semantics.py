@@ -1,5 +1,7 @@
 """PyTorch's semantics as the reference: label layouts and dtypes, autograd rules (version counters,
 higher-order gradients), the mean denominator, degenerate shapes. Each case on both backends."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,25 @@ def test_higher_order_gradients_raise(backend, reduction):
         torch.autograd.grad(loss, hidden, create_graph=True)
     (g,) = torch.autograd.grad(FusedLMLoss(reduction=reduction)(hidden, weight, labels).sum(), hidden)
     assert g.grad_fn is None and not g.requires_grad
+
+
+@pytest.mark.parametrize("api", ["loss", "token_stats", "divergence"])
+def test_vmap_over_a_batch_that_needs_a_gradient_raises(backend, api):
+    """torch.func.vmap hides a batched input's requires_grad from the operator, whose per-sample calls would then
+    make it no gradient (h.grad None, no error): refused. Without gradients vmap gives the per-sample values."""
+    hidden, weight, labels, _ = make_inputs(3 * 8, 16, 40)
+    hidden, labels = hidden.view(3, 8, 16), labels.view(3, 8)
+    calls = {
+        "loss": lambda h, y: fused_linear_cross_entropy(h, weight, y),
+        "token_stats": lambda h, y: token_stats(h, weight, y).logprobs.sum(),
+        "divergence": lambda h, y: fused_divergence(h, weight, h.detach(), 2.0 * weight, y),
+    }
+    with pytest.raises(RuntimeError, match="vmap"):
+        torch.func.vmap(calls[api])(hidden.detach().requires_grad_(True), labels)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch's: no batching rule, a loop)
+        batched = torch.func.vmap(calls[api])(hidden, labels)
+        assert torch.equal(batched, torch.stack([calls[api](h, y) for h, y in zip(hidden, labels)]))
 
 
 @pytest.mark.parametrize("num_items", [0.5, 0.25, 3, 1e-3])

@@ -244,9 +244,12 @@ def test_mean_logits_and_log_sum_sq_probs(backend, head, extra_outputs):
 
 def test_extra_outputs_are_checked():
     hidden, weight, labels, _ = make_inputs(4, 8, 10)
-    for bad in ("mean_logits", ("mean_logit",), ["log_probs"]):
+    for bad in ("mean_logits", ("mean_logit",), ["log_probs"], 3, iter(["mean_logit"])):
         with pytest.raises(ValueError, match="extra_outputs"):
             token_stats(hidden, weight, labels, extra_outputs=bad)
+    # any iterable of names, an iterator too (read once: validated and asked from one copy)
+    out = token_stats(hidden, weight, labels, extra_outputs=(name for name in ["mean_logits", "log_sum_sq_probs"]))
+    assert out.mean_logits is not None and out.log_sum_sq_probs is not None
 
 
 @pytest.mark.parametrize("n_rows, logit_std", [(128, 4.0), (2048, 1.0)])
