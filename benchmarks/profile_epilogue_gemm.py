@@ -20,8 +20,9 @@ and, on the plan's chunk, the relative L2 error against float64 of the lse (from
 bf16 logits) and of G, the bf16 operand of both backward GEMMs: from E (the per-(row, tile) factor 2^k e^-lse and the
 one-hot term in fp32, rounded once) against from bf16 logits (today). Without CUDA or Quack it says so and stops.
 
-``--backward`` (issue 27's next step, not yet run): what follows the epilogue GEMM in a training chunk, on its E, per
-shape at the plan's chunk rows (rounded up to 128), medians of ``do_bench``:
+``--backward`` (RESULTS.md, session 17: the library's stays; Quack's strip GEMMs won only at Gemma-2-2B): what
+follows the epilogue GEMM in a training chunk, on its E, per shape at the plan's chunk rows (rounded up to 128),
+medians of ``do_bench``:
 
   library       today's Hopper path: ``grad_from_exp`` (G from E), then cuBLAS dX = G @ W and dW = G^T h, both
                 into fp32 (the library's row buffer and accumulator)
