@@ -187,8 +187,8 @@ def make_plan(
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
-    if exp_epilogue:
-        row_bytes += exp_epilogue_bytes_per_row(shard.size)
+    epilogue_row_bytes = exp_epilogue_bytes_per_row(shard.size) if exp_epilogue else 0
+    row_bytes += epilogue_row_bytes
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
     wide_dw = needs.weight and weight is not None and saves_weight_grad_wide(
         opts, backend.name, rows.total, shard.chunk_vocab, weight, per_logit
@@ -213,6 +213,12 @@ def make_plan(
         # would hold the accumulator's or the returned dW's bytes while dW is written), so tiles or chunks
         chunk_extra = (0, 0) if kept_logits == "reuse" else (accumulator_bytes, result_bytes)
         max_rows = max_chunk_rows(n_rows, bytes_per_row, opts.chunk_size, *chunk_extra)
+        if exp_epilogue and max_rows < n_rows <= max_chunk_rows(n_rows, bytes_per_row - epilogue_row_bytes,
+                                                                 opts.chunk_size, *chunk_extra):
+            # The epilogue's per-tile statistics would split a batch that fits one chunk without them, and a second
+            # chunk brings the wide dW accumulator and its passes: at Qwen2.5-7B (N = 8192) 1.05-1.06x the floor
+            # against 0.98-0.99x in one chunk (RESULTS.md, session 17). Keep the one chunk, and cuBLAS.
+            exp_epilogue, max_rows, row_bytes = False, n_rows, row_bytes - epilogue_row_bytes
     chunk_rows = split_rows(n_rows, max_rows)
     tile_cols = shard.size
     # (not with vocab parallelism: every rank's chunks stay those of chunk_vocab, in step with the others)
