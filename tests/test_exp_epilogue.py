@@ -132,7 +132,8 @@ def test_the_epilogue_does_not_split_a_batch_that_fits_one_chunk(served, monkeyp
     hidden, weight, labels, _ = make_inputs(37, 64, 384, dtype=torch.bfloat16, logit_std=4.0)
     chunk_rows = []
     original = chunked.logits_into
-    monkeypatch.setattr(chunked, "logits_into", lambda out, *args: chunk_rows.append(out.shape[0]) or original(out, *args))
+    monkeypatch.setattr(chunked, "logits_into",
+                        lambda out, *args: chunk_rows.append(out.shape[0]) or original(out, *args))
     monkeypatch.setattr(plan, "exp_epilogue_bytes_per_row", lambda vocab: 2**40)  # no row fits with them
     got = run(hidden, weight, labels, frozen=frozen)
     assert served.calls == 0 and chunk_rows == [int((labels != -100).sum())]
