@@ -115,7 +115,8 @@ def select_rows(labels: torch.Tensor, ignore_index: int, shard: distributed.Shar
     their labels and the label range (kernels/select_rows.py). With vocab parallelism the ranks then compare
     their layouts, options and labels (``Shard.check_layout``), before any of them raises for a label.
     """
-    if labels.numel() == 0:
+    if labels.numel() == 0:  # (with vocab parallelism, a rank without tokens still compares its layout)
+        shard.check_layout(labels, 0, 0, 0)
         return Rows(index=None, target=torch.empty(0, dtype=torch.int64, device=labels.device), count=0, total=0)
     positions, targets, summary = backend.select_rows(labels, ignore_index)
     count, lowest, highest = summary.tolist()

@@ -74,9 +74,10 @@ class Shard:
         return cls(start=0, size=vocab, total=vocab)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, opts: LossOptions, needs: tuple = ()) -> "Shard":
-        """This rank's shard of the vocabulary (``check_layout`` then compares it, the options and the gradients
-        the call makes, ``needs``, across ranks)."""
+    def of(cls, weight: torch.Tensor, opts: LossOptions, needs: tuple = (), num_items: Any = None) -> "Shard":
+        """This rank's shard of the vocabulary (``check_layout`` then compares it, the options, the gradients the
+        call makes, ``needs``, and its ``num_items_in_batch`` across ranks, so that a value one rank refuses is
+        refused by all)."""
         size = weight.shape[0]
         if opts.process_group is None:
             return cls.whole(size)
@@ -93,7 +94,7 @@ class Shard:
         return cls(
             start, size, total, group, world, merge_logit_sum=opts.label_smoothing > 0,
             reduce_grad_input=opts.reduce_grad_input, hidden_size=weight.shape[1],
-            options_key=_options_key(opts, needs),
+            options_key=_options_key(opts, needs, None if num_items is None else float(num_items)),
         )
 
     def check_layout(self, labels: torch.Tensor, n_selected: int, lowest: int, highest: int) -> None:
@@ -102,8 +103,8 @@ class Shard:
 
         The number of chunks, hence of collectives, follows from these numbers and from the shard width that
         every rank shares (``chunk_vocab``), so once they agree the ranks cannot fall out of step; the labels'
-        checksum (sum_i (i + 1) label_i, int64) also catches labels that differ with the same counts, which
-        would give each rank a different, wrong loss. (Differing hidden states are not checked.)
+        checksum (``labels_checksum``) also catches labels that differ with the same counts, which would give
+        each rank a different, wrong loss. (Differing hidden states are not checked.)
         """
         if self.group is None:
             return
@@ -111,8 +112,7 @@ class Shard:
 
         header = torch.tensor([self.start, self.size, self.total, self.hidden_size, self.options_key,
                                labels.numel(), n_selected, lowest, highest], dtype=torch.int64).to(labels.device)
-        order = torch.arange(1, labels.numel() + 1, dtype=torch.int64, device=labels.device)
-        mine = torch.cat([header, (labels.to(torch.int64) * order).sum().view(1)])  # (the labels' device: the group's)
+        mine = torch.cat([header, labels_checksum(labels).view(1)])  # (the labels' device: the group's)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         layout = [t.tolist() for t in gathered]  # one host sync
@@ -132,7 +132,8 @@ class Shard:
             raise ValueError(f"ranks disagree on the hidden size: {[row[3] for row in layout]}")
         if len({row[4] for row in layout}) > 1:
             raise ValueError("vocab parallelism needs the same loss options on every rank (reduction, chunk_size, "
-                             "label_smoothing, ...) and the same inputs requiring grad: they differ between ranks")
+                             "label_smoothing, ...), the same num_items_in_batch and the same inputs requiring grad: "
+                             "they differ between ranks")
         if len({tuple(row[5:]) for row in layout}) > 1:
             raise ValueError(
                 "vocab parallelism needs the same labels (and hidden states) on every rank; (labels, non-ignored, "
@@ -203,6 +204,20 @@ def group_of(name: str | None) -> Any:
 _NOT_IN_KEY = ("grad_scaler", "process_group", "class_weight", "vocab_start", "vocab_size")
 
 
-def _options_key(opts: LossOptions, needs: tuple) -> int:
+def _options_key(opts: LossOptions, needs: tuple, num_items: float | None) -> int:
     values = tuple((f.name, getattr(opts, f.name)) for f in fields(opts) if f.name not in _NOT_IN_KEY)
-    return zlib.crc32(repr((values, tuple(map(bool, needs)))).encode())
+    return zlib.crc32(repr((values, tuple(map(bool, needs)), num_items)).encode())
+
+
+#: splitmix64's multipliers, as signed int64 (torch has no uint64 arithmetic)
+_MIX = (0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)
+
+
+def labels_checksum(labels: torch.Tensor) -> torch.Tensor:
+    """() int64: the sum over positions i of a non-linear mix of (i, label_i) (splitmix64's finalizer, wrapping int64
+    arithmetic; arithmetic shifts), so that labels that differ do not cancel out, as they can in a position-weighted
+    sum (sum_i (i + 1) label_i is unchanged by +1 at position 1 and -1 at 2 with +1 at 3)."""
+    x = labels.to(torch.int64) * _MIX[0] + torch.arange(1, labels.numel() + 1, dtype=torch.int64, device=labels.device)
+    x = (x ^ (x >> 30)) * _MIX[1]
+    x = (x ^ (x >> 27)) * _MIX[2]
+    return (x ^ (x >> 31)).sum()

@@ -109,7 +109,7 @@ def linear_cross_entropy(
     scaling = gradient_scale(scale, scaling)
     grad_needs = GradNeeds(*needs)
     head, rows, backend, shard = linear_call(opts, hidden, weight, bias, low_rank_input, low_rank_weight, labels,
-                                             KeptLogits.of(kept_logits, "store"), needs)
+                                             KeptLogits.of(kept_logits, "store"), needs, num_items)
     terms = loss_terms(opts, shard, device)
 
     if opts.reduction == "none":  # per-token grad_output is unknown until backward: save lse, recompute then

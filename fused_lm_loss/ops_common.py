@@ -49,6 +49,10 @@ def encode(opts: LossOptions) -> tuple[tuple, dict]:
     for name, crosses, kind in KEYWORD_OPTIONS:
         value = getattr(opts, name)
         if crosses == "group":
+            if value is not None and torch.compiler.is_compiling():
+                # (the group crosses the operator as a name in a registry, which a trace cannot fill in)
+                raise RuntimeError("fused_lm_loss: vocab parallelism (process_group) does not run under "
+                                   "torch.compile; compile the rest of the step and call the loss outside it")
             value = distributed.group_name(value)
         elif kind in (float, Optional[float]) and value is not None:
             value = float(value)  # (an int given for a float option: the schema takes a float)
@@ -186,16 +190,17 @@ def kept_logits_spec(opts: LossOptions, recomputes: bool, hidden: Tensor, weight
 
 def linear_call(opts: LossOptions, hidden: Tensor, weight: Tensor, bias: Tensor | None, low_rank_input: Tensor | None,
                 low_rank_weight: Tensor | None, labels: Tensor, kept_logits: KeptLogits | None = None,
-                needs: Sequence[bool] = ()):
+                needs: Sequence[bool] = (), num_items: Tensor | None = None):
     """(head, rows, backend, shard) of a call on hidden states: the inputs as (N, .) rows, the selected rows.
-    ``needs``: the gradients the call makes (with vocab parallelism every rank must make the same ones)."""
+    ``needs``: the gradients the call makes, ``num_items``: its num_items_in_batch (with vocab parallelism every
+    rank must make the same ones, and have the same)."""
     labels = label_ids(labels)
     n = labels.numel()  # not -1: hidden may have 0 columns (the logits are then the bias, as in F.linear)
     low_rank = None
     if low_rank_input is not None:
         low_rank = (low_rank_input.reshape(n, low_rank_input.shape[-1]), low_rank_weight)
     backend = get_backend(hidden.device)
-    shard = distributed.Shard.of(weight, opts, needs)
+    shard = distributed.Shard.of(weight, opts, needs, num_items)
     rows = select_rows(labels, opts.ignore_index, shard, backend)
     return LinearHead(hidden.reshape(n, hidden.shape[-1]), weight, bias, low_rank, kept_logits), rows, backend, shard
 

@@ -243,11 +243,13 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     size = case.vocab // world
     group = dist.group.WORLD
 
-    def attempt(weight_rows: slice, labels: torch.Tensor, grad: bool = False, **options: Any) -> str:
+    def attempt(weight_rows: slice, labels: torch.Tensor, grad: bool = False, num_items: Any = None,
+                tokens: int | None = None, **options: Any) -> str:
         weight = data["weight"][weight_rows].float()
-        hidden = data["hidden"].float().requires_grad_(grad)
+        hidden = data["hidden"].float().reshape(-1, data["hidden"].shape[-1])[:tokens].requires_grad_(grad)
         try:
-            fused_lm_loss.FusedLMLoss(process_group=group, **options)(hidden, weight, labels)
+            fused_lm_loss.FusedLMLoss(process_group=group, **options)(hidden, weight, labels.reshape(-1)[:tokens],
+                                                                      num_items_in_batch=num_items)
         except ValueError as error:
             return str(error)
         return "no error"
@@ -265,6 +267,11 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     out_of_range_on_one_rank = labels.clone()
     if rank == 1:
         out_of_range_on_one_rank[1, 1] = case.vocab
+    # changes that cancel in a position-weighted sum: +1, -2, +1 at three neighbours (the range kept by 0 and V - 1)
+    cancelling = labels.clone().reshape(-1)
+    cancelling[:5] = torch.tensor([10, 10, 10, 0, case.vocab - 1])
+    if rank == 1:
+        cancelling[:3] = torch.tensor([11, 8, 11])
     mine = slice(rank * size, (rank + 1) * size)
     start_overlap, v = rank * (size - 2), case.vocab
     errors = {
@@ -277,16 +284,35 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
         "gap": attempt(slice(0, size - 1) if rank == 0 else mine, labels, vocab_start=rank * size, vocab_size=v),
         "labels_not_replicated": attempt(mine, not_replicated),
         "labels_differ_same_counts": attempt(mine, shifted),
+        "label_changes_that_cancel": attempt(mine, cancelling),
+        "no_tokens_on_one_rank": attempt(mine, labels, tokens=0 if rank == 0 else None),
+        "num_items_differs": attempt(mine, labels, num_items=10 + rank),
+        "num_items_invalid_on_one_rank": attempt(mine, labels, num_items=-1 if rank == 0 else 5),
         "label_out_of_range_on_one_rank": attempt(mine, out_of_range_on_one_rank),
         "options_differ": attempt(mine, labels, **({"label_smoothing": 0.1} if rank == 1 else {})),
         "chunk_size_differs": attempt(mine, labels, chunk_size=3 + rank),
         "grad_on_one_rank": attempt(mine, labels, grad=rank == 1),
     }
     errors["dtensor_weight"] = _dtensor_weight_error(data, world)
+    errors["compiled"] = _compiled_error(data, group, slice(rank * size, (rank + 1) * size))
     # The ranks are still in step: a correct call afterwards works.
     start, size = shard_bounds(case, world)[rank]
     errors["then_ok"] = float(run_case(case, data, group, start, size)["loss"])
     return errors
+
+
+def _compiled_error(data: dict, group: Any, rows: slice) -> str:
+    """torch.compile(fullgraph=True) of a vocab-parallel loss: a clear error on every rank (the group crosses the
+    operator through a registry that a trace cannot fill in), raised before any collective."""
+    import fused_lm_loss
+
+    loss_fn = fused_lm_loss.FusedLMLoss(process_group=group)
+    step = torch.compile(lambda h, w, y: loss_fn(h, w, y), fullgraph=True, backend="eager")
+    try:
+        step(data["hidden"].float(), data["weight"][rows].float(), data["labels"])
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps it in an error of its own
+        return str(error)
+    return "no error"
 
 
 def _dtensor_weight_error(data: dict, world: int) -> str:

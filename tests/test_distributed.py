@@ -133,6 +133,10 @@ def test_bf16_grad_input_rounds_like_one_device(two_ranks):
 
 def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
     errors = [out["errors"] for out in two_ranks]
+    for compiled in (errors[0].pop("compiled"), errors[1].pop("compiled")):
+        assert compiled != "no error"
+        if _torch_version() >= (2, 6):  # (torch 2.5's Dynamo reports "Observed exception" without its message)
+            assert "process_group) does not run under torch.compile" in compiled, compiled
     assert errors[0] == errors[1]  # same message everywhere: no rank left waiting in a collective
     expected = {
         "label_out_of_range": "outside [0, 40)",
@@ -141,6 +145,10 @@ def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
         "gap": "without gaps or overlaps",
         "labels_not_replicated": "same labels",
         "labels_differ_same_counts": "same labels",
+        "label_changes_that_cancel": "same labels",
+        "no_tokens_on_one_rank": "same labels",
+        "num_items_differs": "same num_items_in_batch",
+        "num_items_invalid_on_one_rank": "same num_items_in_batch",
         "label_out_of_range_on_one_rank": "same labels",
         "options_differ": "same loss options",
         "chunk_size_differs": "same loss options",
