@@ -205,8 +205,11 @@ _NOT_IN_KEY = ("grad_scaler", "process_group", "class_weight", "vocab_start", "v
 
 
 def _options_key(opts: LossOptions, needs: tuple, num_items: float | None) -> int:
-    values = tuple((f.name, getattr(opts, f.name)) for f in fields(opts) if f.name not in _NOT_IN_KEY)
-    return zlib.crc32(repr((values, tuple(map(bool, needs)), num_items)).encode())
+    def canonical(value: Any) -> Any:  # (-0.0 + 0.0 is 0.0: equal options print alike)
+        return value + 0.0 if isinstance(value, float) else value
+
+    values = tuple((f.name, canonical(getattr(opts, f.name))) for f in fields(opts) if f.name not in _NOT_IN_KEY)
+    return zlib.crc32(repr((values, tuple(map(bool, needs)), canonical(num_items))).encode())
 
 
 #: splitmix64's multipliers, as signed int64 (torch has no uint64 arithmetic)

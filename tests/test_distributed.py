@@ -157,6 +157,7 @@ def test_mistakes_raise_the_same_error_on_every_rank(two_ranks):
     }
     for key, fragment in expected.items():
         assert fragment in errors[0][key], (key, errors[0][key])
+    assert errors[0]["signed_zero_z_loss"] == "no error"
     assert errors[0]["then_ok"] > 0
 
 
