@@ -30,6 +30,17 @@ def _train_step(model, **batch):
     return out, grads(model)
 
 
+def _trains_as_unpatched(model, ref, batch):
+    """One training step of the patched model and of its unpatched twin: no logits, the same loss and gradients.
+    Returns both outputs."""
+    out, got = _train_step(model, **batch)
+    want_out, want = _train_step(ref, **batch)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
+    assert_close_grads(got, want)
+    return out, want_out
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_unpatched(family):
     model = make_model(family)
@@ -41,12 +52,7 @@ def test_family_matches_unpatched(family):
             pytest.skip(str(error))
         raise
     batch = make_batch()
-
-    out, got = _train_step(model, **batch)
-    want_out, want = _train_step(ref, **batch)
-    assert out.logits is None
-    assert rel_err(out.loss.detach(), want_out.loss.detach()) <= 2e-4
-    assert_close_grads(got, want)
+    out, want_out = _trains_as_unpatched(model, ref, batch)
     if family in ("mixtral", "qwen3_moe"):  # router aux loss reached the fused loss
         assert out.aux_loss is not None
         assert rel_err(out.aux_loss.detach(), want_out.aux_loss.detach()) <= 2e-4
@@ -339,12 +345,7 @@ def test_a_forward_passing_its_logits_width_as_vocab_size():
     model = WidthAsVocab(make_model().config).train()
     ref = twin(model)
     fused_lm_loss.patch(model)
-    batch = make_batch()
-    out, got = _train_step(model, **batch)
-    want, want_grads = _train_step(ref, **batch)
-    assert out.logits is None
-    assert rel_err(out.loss.detach(), want.loss.detach()) <= 2e-4
-    assert_close_grads(got, want_grads)
+    _trains_as_unpatched(model, ref, make_batch())
 
 
 @pytest.mark.parametrize("how", ["subclass", "hook", "hook_after"])
