@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import shares_memory
-from .online import LOG2E, base2_reference, exponent, residual
+from .online import LOG2E, rebase, residual
 from .transform import chain_rule, loss_space, transform_scalars
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -86,13 +86,9 @@ def _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_c
 @triton.jit
 def _online_step(z, running_max, running_ref, running_offset):
     """(new max, new base-2 reference (c, offset), e = 2^(z LOG2E - c - offset), its exponent, the old reference
-    minus the new) of one block (``online.base2_reference``)."""
+    minus the new) of one block (``online.rebase``)."""
     new_max = tl.maximum(running_max, tl.max(z, axis=0))
-    # while the row is all -inf the reference is 0, not -inf (-inf - -inf = NaN)
-    new_ref, new_offset = base2_reference(new_max)
-    t = exponent(z, new_ref, new_offset)
-    # c only grows, but from the all -inf state (sums 0) it may fall: the min keeps 2^delta finite there
-    delta = tl.minimum((running_ref - new_ref) + (running_offset - new_offset), 0.0)
+    new_ref, new_offset, t, delta = rebase(z, new_max, running_ref, running_offset)
     return new_max, new_ref, new_offset, tl.exp2(t), t, delta
 
 

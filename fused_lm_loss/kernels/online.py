@@ -28,7 +28,7 @@ def base2_reference(row_max):
     c = fl(m LOG2E) (0 while the row is all -inf) is what an element's exponent subtracts in one FFMA; fl rounds m LOG2E
     by up to half an ulp, which is < 1/2 only below 2^24 (|m| < ~1.2e7). Above, the residual r = fma(m, LOG2E, -c)
     (exact) is up to 2^(e - 24) and 2^r would overflow fp32 at r >= 128 (|m| > ~1.5e9), so its integer part,
-    offset = floor(r + 1/2), is taken out of every exponent too: t = fma(z, LOG2E, -c) - offset (``exponent``), and the
+    offset = floor(r + 1/2), is taken out of every exponent too: t = fma(z, LOG2E, -c) - offset (``rebase``), and the
     residual left (``residual``) is in [-1/2, 1/2]. Below 2^24 the offset is 0 and t is the FFMA's own result."""
     ref = tl.where(row_max == float("-inf"), 0.0, row_max * LOG2E)
     offset = tl.where(row_max == float("-inf"), 0.0, tl.floor(tl.fma(row_max, LOG2E, -ref) + 0.5))
@@ -36,10 +36,16 @@ def base2_reference(row_max):
 
 
 @triton.jit
-def exponent(z, ref, offset):
-    """t = z LOG2E - (c + offset), clamped to -FLT_MAX (``floor_exponent``): e = 2^t is z's weight relative to the
-    reference, and 2^t t is 0 at a -inf logit."""
-    return floor_exponent(tl.fma(z, LOG2E, -ref) - offset)
+def rebase(z, new_max, old_ref, old_offset):
+    """One block of an online loop in base 2: (c, offset) of the new running maximum (``base2_reference``), each z's
+    exponent t = z LOG2E - (c + offset), and delta = the old reference minus the new (<= 0), by which 2^delta moves
+    the sums kept so far. t is clamped to -FLT_MAX (``floor_exponent``): at a -inf logit 2^t = 0 and 2^t t = 0, not
+    0 * -inf = NaN. The reference only grows, but from the all -inf state (sums 0, reference 0) it may fall: the min
+    keeps 2^delta finite there."""
+    ref, offset = base2_reference(new_max)
+    t = floor_exponent(tl.fma(z, LOG2E, -ref) - offset)
+    delta = tl.minimum((old_ref - ref) + (old_offset - offset), 0.0)
+    return ref, offset, t, delta
 
 
 @triton.jit

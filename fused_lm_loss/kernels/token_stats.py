@@ -53,7 +53,7 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import check_target
-from .online import base2_reference, exponent, floor_exponent, merge_segments, residual, segment_block
+from .online import floor_exponent, merge_segments, rebase, residual, segment_block
 from .row_stats import target_logit
 from .transform import loss_space, transform_scalars
 
@@ -105,15 +105,10 @@ def online_token_stats(
         z = tl.where(mask, z, float("-inf"))
         block_max = tl.max(z, axis=0)
         new_max = tl.maximum(running_max, block_max)
-        # While the segment is all -inf the reference is 0, not -inf (-inf - -inf = NaN): a scalar select.
-        new_ref, new_offset = base2_reference(new_max)
-        # -inf logits: t = -FLT_MAX, 2^t = 0 and 2^t t = 0 (not 0 * -inf = NaN)
-        t = exponent(z, new_ref, new_offset)
+        new_ref, new_offset, t, delta = rebase(z, new_max, running_ref, running_offset)
         e = tl.exp2(t)
         block_sumexp = tl.sum(e, axis=0)
         block_wsum = tl.sum(e * t, axis=0)
-        # c only grows, but from the all -inf state (s = w = 0) it may fall: the min keeps 2^delta finite there
-        delta = tl.minimum((running_ref - new_ref) + (running_offset - new_offset), 0.0)
         rescale = tl.exp2(delta)
         running_wsum = rescale * (running_wsum + delta * running_sumexp) + block_wsum
         running_sumexp = running_sumexp * rescale + block_sumexp
