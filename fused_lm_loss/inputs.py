@@ -45,12 +45,10 @@ def grad_needs(tensors: tuple[torch.Tensor | None, ...]) -> list[bool]:
 
 
 def _batched_requires_grad(t: torch.Tensor) -> bool:
-    functorch = torch._C._functorch
-    if not functorch.is_batchedtensor(t):
-        return False
+    functorch, batched = torch._C._functorch, False
     while functorch.is_batchedtensor(t):
-        t = functorch.get_unwrapped(t)
-    return t.requires_grad
+        t, batched = functorch.get_unwrapped(t), True
+    return batched and t.requires_grad
 
 
 def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:

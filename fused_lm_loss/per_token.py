@@ -126,14 +126,13 @@ def token_stats_with(
     ``where`` (a key of ``options.UNSUPPORTED``) cannot honour raise, naming ``owner``."""
     if expected_grads not in EXPECTED_GRADS:
         raise ValueError(f"expected_grads must be one of {EXPECTED_GRADS}, got {expected_grads!r}")
-    if isinstance(extra_outputs, str) or not isinstance(extra_outputs, Iterable):
-        raise ValueError(f"extra_outputs must be a sequence of names among {EXTRA_OUTPUTS}, got {extra_outputs!r}")
-    extra_outputs = tuple(extra_outputs)  # (an iterator is read once)
-    if any(name not in EXTRA_OUTPUTS for name in extra_outputs):
+    # (read once into a tuple: an iterator would be empty by the time the outputs are asked for)
+    names = None if isinstance(extra_outputs, str) or not isinstance(extra_outputs, Iterable) else tuple(extra_outputs)
+    if names is None or any(name not in EXTRA_OUTPUTS for name in names):
         raise ValueError(f"extra_outputs must be a sequence of names among {EXTRA_OUTPUTS}, got {extra_outputs!r}")
     check_supported(opts, where, owner)
     tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank)
-    asked = [name in extra_outputs for name in EXTRA_OUTPUTS]
+    asked = [name in names for name in EXTRA_OUTPUTS]
     logprobs, entropy, lse, argmax, is_top1, mean_logits, log_sum_sq_probs = linear_token_stats(
         *tensors, labels, needs, expected_grads, *asked, opts=opts)[:7]
     return TokenStats(logprobs, entropy, lse, is_top1, argmax, mean_logits if asked[0] else None,
