@@ -141,7 +141,8 @@ def backend_name(device: torch.device) -> str:
     name = _chosen or os.environ.get(ENV_VAR) or ("triton" if device.type == "cuda" else "torch")
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {name!r}")
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    # (meta tensors run no backend: the fake implementation reads the name only for the outputs' dtypes)
+    if name == "triton" and device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"the triton backend runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; got {device} "
             "tensors: use_backend('torch') or move the tensors"

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_lm_loss import FusedLMLoss, fused_divergence, fused_linear_cross_entropy, token_stats
+from fused_lm_loss.backends import use_backend
 
 from .conftest import TEST_DEVICE
 from .reference import make_inputs, reference_loss, rel_err
@@ -307,6 +308,19 @@ def test_all_on_meta_gives_shapes(backend):
     divergence = fused_divergence(hidden, weight, hidden.detach(), weight.detach(), labels)
     divergence.backward()
     assert divergence.is_meta and hidden.grad.shape == hidden.shape
+
+
+def test_all_on_meta_with_the_triton_backend_chosen(monkeypatch):
+    """Meta tensors run no kernel, so a chosen Triton backend does not need CUDA or the interpreter for them (the
+    GPU suite runs with the backend chosen; this failed there, not on the CPU, where the interpreter is on)."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    hidden = torch.empty(2, 5, 8, device="meta", requires_grad=True)
+    weight = torch.empty(40, 8, device="meta", requires_grad=True)
+    with use_backend("triton"):
+        loss = FusedLMLoss()(hidden, weight, torch.empty(2, 5, dtype=torch.int64, device="meta"))
+        loss.backward()
+    assert loss.is_meta and hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
 
 
 def test_a_meta_tensor_beside_real_ones_raises(backend):
