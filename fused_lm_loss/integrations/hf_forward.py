@@ -66,7 +66,9 @@ class FusedCall:
         name = type(self.model).__name__
         if self.loss is None:
             raise RuntimeError(f"fused_lm_loss: {name} called loss_function before its lm_head; not supported")
-        if labels is not self.labels or any(kwargs.get(k) is not self.kwargs.get(k) for k in _LOSS_KWARGS):
+        if not _same_argument(labels, self.labels) or any(
+            not _same_argument(kwargs.get(k), self.kwargs.get(k)) for k in _LOSS_KWARGS
+        ):
             raise RuntimeError(
                 f"fused_lm_loss: {name} changes the labels or loss arguments between its forward and "
                 "loss_function; the fused loss cannot reproduce that"
@@ -112,6 +114,20 @@ class FusedCall:
 
 
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def _same_argument(passed: Any, captured: Any) -> bool:
+    """Whether the model passed loss_function what its forward was called with: the same object, or an equal
+    copy (a forward wrapper such as accelerate's ``device_map`` hook moves the inputs to the execution device).
+    The values are compared only when the objects differ: one host sync on that path alone."""
+    if passed is captured:
+        return True
+    if not isinstance(passed, torch.Tensor) or not isinstance(captured, torch.Tensor):
+        return type(passed) is type(captured) and isinstance(passed, (int, float)) and passed == captured
+    if torch.compiler.is_compiling():  # (a value comparison would break the graph)
+        return False
+    return (passed.shape == captured.shape and passed.dtype == captured.dtype
+            and torch.equal(passed.to(captured.device), captured))
 
 
 @torch.library.custom_op("fused_lm_loss::checked_model_loss", mutates_args=())

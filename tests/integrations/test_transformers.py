@@ -394,6 +394,32 @@ def test_accelerate_device_map_offloaded_head(tmp_path):
     assert rel_err(input_grads[1], input_grads[0]) <= 2e-4
 
 
+@pytest.mark.parametrize("changes_labels", [False, True])
+def test_a_forward_wrapper_that_passes_copies_of_the_labels(changes_labels):
+    """accelerate's hook on a ``device_map`` model moves the forward's inputs to the execution device, so on a GPU
+    machine a batch on CUDA reaches loss_function as copies: equal copies are accepted (the patched model trains as
+    the unpatched one with the same hook), copies with other values are refused, never used silently."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class CopyLabels(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            labels = kwargs["labels"].clone()
+            if changes_labels:
+                labels[labels >= 0] = (labels[labels >= 0] + 1) % VOCAB
+            return args, {**kwargs, "labels": labels}
+
+    model = make_model()
+    ref = twin(model)
+    for m in (model, ref):
+        hooks.add_hook_to_module(m, CopyLabels())
+    fused_lm_loss.patch(model)
+    if changes_labels:
+        with pytest.raises(RuntimeError, match="changes the labels"):
+            model(**make_batch())
+    else:
+        _trains_as_unpatched(model, ref, make_batch())
+
+
 def test_loss_assigned_through_fsdp1_and_deepspeed_takes_effect():
     """``wrapper.loss_function = FusedLMLoss(...)`` on FSDP1's FullyShardedDataParallel or DeepSpeed's engine patches
     the model inside (one gloo rank, in a subprocess: the process group stays out of this one)."""
