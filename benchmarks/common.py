@@ -12,7 +12,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# FUSED_LM_LOSS_ROOT: the library of another checkout (an A/B against an earlier commit, in one call)
+sys.path.insert(0, os.environ.get("FUSED_LM_LOSS_ROOT") or os.path.join(os.path.dirname(__file__), ".."))
 from fused_lm_loss.backends import get_backend  # noqa: E402
 from fused_lm_loss.chunked import LinearHead, label_ids, select_rows  # noqa: E402
 from fused_lm_loss.distributed import Shard  # noqa: E402
