@@ -15,8 +15,9 @@ p_ij = E_ij 2^(k_it - log2e lse_i): the gradient pass (``grad_from_exp``) forms 
 the target column from z_i,target in fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md,
 session 14): G 10x closer to float64 (6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this
 epilogue 0.74-0.97x the time of cuBLAS + the statistics pass at the library's chunks (1.04-1.06x at a 7296-row
-chunk at H = 4096). The whole step, timed beside the default path in one run (session 17): as fast at Llama-3-8B and
-Qwen2.5-0.5B, 2-7% slower at Gemma-2-2B and Qwen2.5-7B, with dX / dW 2.4-2.9e-3 against 6.9-7.5e-3.
+chunk at H = 4096). The whole step, timed beside the default path in one run (session 18): 0.93x / 0.94x the floor at
+Llama-3-8B, 1.06x / 1.08x at Gemma-2-2B, 1.23x / 1.23x at Qwen2.5-0.5B (Qwen2.5-7B keeps the default path, below),
+with dX / dW 2.4-2.9e-3 against 6.9-7.5e-3.
 
 The plan takes this path (``plan.exp_epilogue``) for a training step of the plain loss: no bias, softcap, logit
 scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16
