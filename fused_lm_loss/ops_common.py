@@ -220,11 +220,19 @@ def per_token(values: Tensor, rows: Rows, labels: Tensor) -> Tensor:
 # ---- autograd ------------------------------------------------------------------------------------------------
 
 
+#: The gradient scalings a call accepts besides 0: forward forms the gradients in fp32 times the scaling, backward
+#: multiplies them by grad_output / scaling, and outside this range either step leaves fp32's normal numbers
+#: (below 2**-126 the reciprocal is inf; far above, a gradient of 1 times it), giving inf / NaN gradients.
+SCALING_RANGE = (2.0**-64, 2.0**64)
+
+
 def gradient_scale(scale: Tensor | None, scaling: float) -> float:
     """The gradient scale of a call: the GradScaler's scale tensor when given, else ``scaling``."""
     value = float(scale) if scale is not None else float(scaling)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"the gradient scaling must be a finite number >= 0, got {value}")
+    low, high = SCALING_RANGE
+    if not (value == 0.0 or low <= value <= high):
+        raise ValueError(f"the gradient scaling must be 0 or between 2**-64 and 2**64 (fp32 gradients are formed times "
+                         f"it and rescaled by its reciprocal), got {value}")
     return value
 
 

@@ -107,6 +107,24 @@ def test_scale_zero(backend):
         assert torch.all(t.grad == 0)
 
 
+def test_scalings_at_the_edges_of_fp32(backend):
+    """Forward forms the gradients in fp32 times the scaling and backward rescales them by its reciprocal: at the
+    accepted range's ends the gradients are the unscaled ones; beyond it (reciprocal or product out of fp32) a
+    ValueError, given as a number or as a tensor, where inf / NaN gradients came back silently."""
+    hidden, weight, labels, bias = _inputs()
+    _, grads = reference_loss(hidden, weight, labels, bias)
+    for scaling in (2.0**-64, 2.0**64):
+        for t in (hidden, weight, bias):
+            t.grad = None
+        (FusedLMLoss()(hidden, weight, labels, bias, scaling=scaling) * scaling).backward()
+        for t, name in ((hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+            assert rel_err(t.grad / scaling, grads[name]) <= 2e-4, (scaling, name)
+    for scaling in (1e-40, 2.0**-65, 2.0**65, 1e300):
+        for given in (scaling, torch.tensor(scaling)):
+            with pytest.raises(ValueError, match="between 2\\*\\*-64 and 2\\*\\*64"):
+                FusedLMLoss()(hidden, weight, labels, bias, scaling=given)
+
+
 def test_fp16_gradients_do_not_underflow_with_scaling():
     """Mean over many tokens: p / N underflows fp16; the scale is applied in fp32 before rounding."""
     hidden, weight, labels, _ = make_inputs(2048, 32, 400, dtype=torch.float16, logit_std=6.0, ignore_frac=0.0)
