@@ -91,6 +91,7 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
         grad_scaler=grad_scaler,
         saved_forward=vars(target).get("forward"),
         original_class=type(target),
+        loss_type=getattr(target, "loss_type", None),
     )
     state.assign(target, loss_fn)
     object.__setattr__(target, _STATE_ATTR, state)
@@ -175,6 +176,7 @@ class _PatchState:
     forward_loss: Callable | None = None  # what loss_function gives during a forward in progress
     call: "FusedCall | None" = None  # the training forward in progress (its lm_head computes the loss)
     heads: list = dataclasses.field(default_factory=list)  # the lm_head modules whose forward is wrapped
+    loss_type: Any = None  # the model's loss_type when last checked (``_check_loss_type``)
     warned_without_labels: bool = False
 
     def assign(self, model: nn.Module, loss_fn: Any) -> None:
@@ -233,10 +235,31 @@ def _setstate(self: nn.Module, state: dict) -> None:
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
-    if name == "loss_function":
-        self.__dict__[_STATE_ATTR].assign(self, value)
+    state = self.__dict__.get(_STATE_ATTR)  # (None on a replica that DataParallel is still filling in)
+    if name == "loss_function" and state is not None:
+        state.assign(self, value)
     else:
-        self.__dict__[_STATE_ATTR].original_class.__setattr__(self, name, value)
+        super(type(self), self).__setattr__(name, value)
+
+
+def _replicate_for_data_parallel(self: nn.Module) -> nn.Module:
+    """A DataParallel replica (``torch.nn.parallel.replicate``) is patched as the original is, with a state and a
+    forward of its own: the replica's copy of the original's attributes would run the original's modules, and its
+    replicas (one thread each) would share one forward in progress."""
+    state = self.__dict__[_STATE_ATTR]
+    replica = state.original_class._replicate_for_data_parallel(self)
+    forward = self.__dict__.get("forward")
+    inner = forward.inner if isinstance(forward, _FusedForward) else None
+    if getattr(inner, "__self__", None) is not self:  # (a wrapper that the replica cannot rebind to itself)
+        raise RuntimeError(
+            f"fused_lm_loss: DataParallel cannot replicate this patched {type(self).__name__}: its forward is wrapped "
+            f"before or after patch() ({(inner or forward)!r}), and a replica would run the original's modules. Use "
+            "DistributedDataParallel (torchrun, accelerate launch), or patch the model before anything wraps it"
+        )
+    replica_state = dataclasses.replace(state, call=None, forward_loss=None, heads=[])
+    object.__setattr__(replica, _STATE_ATTR, replica_state)
+    object.__setattr__(replica, "forward", _FusedForward(replica, inner.__func__.__get__(replica)))
+    return replica  # (its lm_head, a replica too, gets a wrapper of its own at its first fused forward)
 
 
 def _swapped_class(cls: type) -> type:
@@ -251,6 +274,7 @@ def _swapped_class(cls: type) -> type:
                 "loss_function": property(_loss_function_get),  # assignment goes through __setattr__
                 "__setattr__": _setattr,
                 "__setstate__": _setstate,
+                "_replicate_for_data_parallel": _replicate_for_data_parallel,
             },
         )
     return _SWAPPED_CLASSES[cls]
@@ -293,6 +317,8 @@ class _FusedForward:
             return self._run(state, functools.partial(causal_lm_loss, state.fused_options), args, kwargs)
         if state.user_loss is not None:  # (hooks registered on it after the assignment)
             check_only_options(state.user_loss, model)
+        else:
+            _check_loss_type(model, state)
         head = model.get_output_embeddings()
         _HeadForward.install(head, state)  # already there, unless peft replaced lm_head after patch()
         deepspeed_integration.register_partitioned_head(model, head)  # ZeRO-3: gathered for backward too
@@ -359,8 +385,17 @@ class _HeadForward:
 
     @classmethod
     def install(cls, head: nn.Module, state: "_PatchState") -> None:
-        if not isinstance(head.__dict__.get("forward"), cls):
-            head.forward = cls(head, state)
+        """Wrap ``head`` for this patch, unless it already is. A wrapper of another head or patch (a DataParallel
+        replica's copy of the original's, or one lm_head shared by two patched models) is replaced, keeping the
+        forward it saved."""
+        current = head.__dict__.get("forward")
+        if isinstance(current, cls) and current.head is head and current.state is state:
+            return
+        wrapper = cls(head, state)
+        if isinstance(current, cls):
+            wrapper.saved = current.saved
+        head.forward = wrapper
+        if head not in state.heads:
             state.heads.append(head)
 
     @staticmethod
@@ -386,16 +421,41 @@ def _check_structure(model: nn.Module) -> None:
             f"fused_lm_loss.patch: {name}.forward does not compute its loss with self.loss_function, so the "
             "fused loss cannot replace it (supported: forwards of the form decoder -> lm_head -> loss_function)"
         )
-    default_loss = type(model).loss_function.fget(model) if "_loss_function" not in vars(model) else None
-    if default_loss is not None and getattr(default_loss, "__name__", "") != "ForCausalLMLoss":
+    default_loss = _default_loss_name(model, type(model))
+    if default_loss not in (None, "ForCausalLMLoss"):
         raise TypeError(
-            f"fused_lm_loss.patch: {name}'s loss is {getattr(default_loss, '__name__', default_loss)} "
-            f"(loss_type={getattr(model, 'loss_type', None)!r}); the fused loss computes transformers' ForCausalLMLoss"
+            f"fused_lm_loss.patch: {name}'s loss is {default_loss} (loss_type={getattr(model, 'loss_type', None)!r}); "
+            "the fused loss computes transformers' ForCausalLMLoss"
         )
     reason = unsupported(model)
     if reason is not None:
         raise TypeError(f"fused_lm_loss.patch: {name} is not supported: {reason}")
     peft_integration.check_head(head)
+
+
+def _default_loss_name(model: nn.Module, cls: type) -> str | None:
+    """The name of the loss transformers picks for ``model`` by its ``loss_type`` (``cls``'s property), None when
+    the model has a loss_function of its own."""
+    if "_loss_function" in vars(model):
+        return None
+    loss = cls.loss_function.fget(model)
+    return getattr(loss, "__name__", repr(loss))
+
+
+def _check_loss_type(model: nn.Module, state: "_PatchState") -> None:
+    """A training forward of the default loss (nothing assigned): ``loss_type`` changed since patch() must still
+    name ForCausalLMLoss, the loss the fused one stands in for (only a change is looked up: an attribute read per
+    call otherwise, which torch.compile traces)."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type == state.loss_type:
+        return
+    default_loss = _default_loss_name(model, state.original_class)
+    if default_loss not in (None, "ForCausalLMLoss"):
+        raise RuntimeError(
+            f"fused_lm_loss: {type(model).__name__}.loss_type is now {loss_type!r} ({default_loss}), but the patched "
+            "model trains with the fused ForCausalLMLoss: unpatch it, or assign the loss you want to loss_function"
+        )
+    state.loss_type = loss_type
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

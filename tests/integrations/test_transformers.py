@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 import inspect
 import os
 import warnings
@@ -418,6 +420,82 @@ def test_a_forward_wrapper_that_passes_copies_of_the_labels(changes_labels):
             model(**make_batch())
     else:
         _trains_as_unpatched(model, ref, make_batch())
+
+
+def _replicate(model, monkeypatch, n=2):
+    """``torch.nn.parallel.replicate`` (what DataParallel runs on several GPUs) on this CPU: the GPU broadcast of the
+    parameters replaced by copies that keep their autograd link to the originals, as the broadcast's do."""
+    replicate = importlib.import_module("torch.nn.parallel.replicate")
+    monkeypatch.setattr(replicate, "_broadcast_coalesced_reshape",
+                        lambda tensors, devices, detach=False: [[t * 1.0 for t in tensors] for _ in devices])
+    return replicate.replicate(model, list(range(n)))
+
+
+def test_data_parallel_replicas_train_with_their_own_weights(monkeypatch):
+    """Each DataParallel replica of a patched model runs its own (broadcast) weights with a patch state of its own,
+    as the unpatched model's replicas do: the same losses, and the same gradients reach the original parameters.
+    (A replica's copied forward ran the original's modules, and the copy itself raised a KeyError.)"""
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = make_batch()
+    results = []
+    for m in (model, ref):
+        replicas = _replicate(m, monkeypatch)
+        with torch.no_grad():
+            replicas[1].lm_head.weight.mul_(20.0)  # replica 1 must see its own head
+        losses = [r(**batch).loss for r in replicas]
+        sum(losses).backward()
+        results.append((losses, grads(m)))
+    (got, got_grads), (want, want_grads) = results
+    assert abs(got[1].item() - got[0].item()) > 0.05
+    for a, b in zip(got, want):
+        assert rel_err(a.detach(), b.detach()) <= 2e-5
+    assert_close_grads(got_grads, want_grads)
+
+
+def test_data_parallel_refuses_a_forward_it_cannot_rebind(monkeypatch):
+    """A forward wrapped after patch() (accelerate's mixed-precision wrapper) is bound to the original: its replica
+    would run the original's modules, so replicating raises, naming DistributedDataParallel."""
+    model = make_model()
+    fused_lm_loss.patch(model)
+    model.forward = functools.partial(model.forward)
+    with pytest.raises(RuntimeError, match="DataParallel cannot replicate"):
+        _replicate(model, monkeypatch)
+
+
+def test_one_lm_head_shared_by_two_patched_models():
+    """Two patched models with one lm_head module (each forward installs its own wrapper on it) train as unpatched,
+    in turn; unpatching one leaves the other patched."""
+    first, second = make_model(), make_model(seed=5)
+    second.lm_head = first.lm_head
+    refs = [twin(first), twin(second)]
+    refs[1].lm_head = refs[0].lm_head
+    fused_lm_loss.patch(first)
+    fused_lm_loss.patch(second)
+    batch = make_batch()
+    for m, ref in ((first, refs[0]), (second, refs[1]), (first, refs[0])):
+        _trains_as_unpatched(m, ref, batch)
+    fused_lm_loss.unpatch(first)
+    _trains_as_unpatched(second, refs[1], batch)
+
+
+def test_loss_type_changed_after_patch_raises():
+    """The default loss stands in for transformers' ForCausalLMLoss: a loss_type set after patch() that picks another
+    loss raises at the next training forward (another causal-LM type trains on); eval computes the model's own."""
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = make_batch()
+    model.loss_type = ref.loss_type = "ForCausalLM"
+    _trains_as_unpatched(model, ref, batch)
+    model.loss_type = ref.loss_type = "ForMaskedLM"
+    with pytest.raises(RuntimeError, match="loss_type is now 'ForMaskedLM'"):
+        model(**batch)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).loss, ref(**batch).loss)
 
 
 def test_loss_assigned_through_fsdp1_and_deepspeed_takes_effect():
