@@ -14,6 +14,8 @@ own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), 
   stats         backend.row_losses on that chunk (loss, lse): cuBLAS + stats is today's forward part of a chunk
   epilogue      the E-storing epilogue GEMM (its first call, the JIT compile, is outside the timing), in each of
                 ``--configs`` ("auto": the library's, exp_epilogue.exp_matmul; others where their tile_n divides V)
+  merge         backend.merge_exp_stats on the epilogue's outputs (loss, lse): epilogue + merge is the Hopper path's
+                forward part of a chunk
   grad          backend.grad_logits on the chunk: the pass both designs keep (G from E reads and writes as much)
 
 and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
@@ -21,8 +23,8 @@ bf16 logits) and of G, the bf16 operand of both backward GEMMs: from E (the per-
 one-hot term in fp32, rounded once) against from bf16 logits (today). Without CUDA or Quack it says so and stops.
 
 ``--backward`` (RESULTS.md, session 17: the library's stays; Quack's strip GEMMs won only at Gemma-2-2B): what
-follows the epilogue GEMM in a training chunk, on its E, per shape at the plan's chunk rows (rounded up to 128),
-medians of ``do_bench``:
+follows the epilogue GEMM in a training chunk, on its E, per shape at the plan's chunk rows and each of ``--rows``
+(rounded up to 128; Quack's own pipeline runs 4096), medians of ``do_bench``:
 
   library       today's Hopper path: ``grad_from_exp`` (G from E), then cuBLAS dX = G @ W and dW = G^T h, both
                 into fp32 (the library's row buffer and accumulator)
@@ -104,20 +106,19 @@ def accuracy(x, w, target, logits, lse_today, out, tile_n):
     return rel(lse_epi, lse64), rel(lse_today, lse64), rel(g_epi, g64), rel(g_today, g64)
 
 
-def backward_rows(name: str, x, w, y, plan, rows) -> list[str]:
-    """The ``--backward`` rows of one shape: (variant, ms, dX error) at the plan's chunk."""
+def backward_rows(name: str, x, w, y, plan, rows, m: int) -> list[str]:
+    """The ``--backward`` rows of one shape: (variant, ms, dX error) at a chunk of ``m`` rows."""
     from fused_lm_loss.exp_epilogue import ExpStats
-    from fused_lm_loss.loss_terms import loss_from_stats
 
     lce = peers.quack_lce()
     _, h, v = SHAPES[name]
     tile_n = pick_tile_n(v)
-    m = min(-(-plan.chunk_rows // 128) * 128, rows.count // 128 * 128)
     xs, target = rows.gather(x, 0, m), rows.target[:m].contiguous()
     run, out = epilogue_gemm(xs, w, target, tile_n)
     run()
     stats = ExpStats(k=out["k"], sum_exp=out["sum_exp"], target_logit=out["target_logit"], tile_n=tile_n)
-    _, lse = loss_from_stats(*stats.row_stats(), plan.terms)
+    lse = torch.empty(m, device=DEVICE, dtype=torch.float32)
+    plan.backend.merge_exp_stats(stats, torch.empty_like(lse), lse, terms=plan.terms)
     scale = 1.0 / m
     f32 = torch.float32
     dx, dw = torch.empty(m, h, device=DEVICE, dtype=f32), torch.empty(v, h, device=DEVICE, dtype=f32)
@@ -170,13 +171,21 @@ def backward_rows(name: str, x, w, y, plan, rows) -> list[str]:
     return lines
 
 
+def chunk_rows(plan, rows, extra: str) -> list[int]:
+    """The plan's chunk rows and each of ``--rows``, rounded up to the GEMM's 128-row tile, at most the batch's."""
+    return [min(-(-m // 128) * 128, rows.count // 128 * 128)
+            for m in [plan.chunk_rows] + [int(r) for r in extra.split(",") if r]]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help=f"of {','.join(SHAPES)}")
-    parser.add_argument("--rows", default="4096", help="chunk rows to time besides the plan's")
+    parser.add_argument("--rows", default="4096", help="chunk rows to time besides the plan's (both modes)")
     parser.add_argument("--configs", default="auto", help="epilogue launch settings: auto, or tile_n/p|c/MxN")
     parser.add_argument("--backward", action="store_true", help="time what follows the epilogue GEMM instead")
     args = parser.parse_args()
+    from fused_lm_loss.exp_epilogue import ExpStats
+
     if DEVICE != "cuda":
         print("needs CUDA (an sm90 GPU) and quack-kernels")
         return
@@ -193,13 +202,14 @@ def main():
         for name in default_shapes(args.shapes):
             x, w, y = inputs(name, 0.1)
             plan, _, rows = plan_for(x, w, y, "train")
-            lines += backward_rows(name, x, w, y, plan, rows)
-            torch.cuda.empty_cache()
+            for m in chunk_rows(plan, rows, args.rows):
+                lines += backward_rows(name, x, w, y, plan, rows, m)
+                torch.cuda.empty_cache()
         print("\n".join(lines))
         return
     header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | config | epilogue ms (TF/s) | "
-              "epilogue / (cuBLAS + stats) | grad ms |")
-    table = [header, "|---" * 10 + "|"]
+              "merge ms | (epilogue + merge) / (cuBLAS + stats) | grad ms |")
+    table = [header, "|---" * 11 + "|"]
     errors = ["| shape | M | lse err: epilogue | lse err: today | G err: from E | G err: today (bf16 logits) |",
               "|---|---|---|---|---|---|"]
     for name in default_shapes(args.shapes):
@@ -207,8 +217,7 @@ def main():
         plan, head, rows = plan_for(x, w, y, "train")
         _, h, v = SHAPES[name]
         tile_n = pick_tile_n(v)
-        for i, m in enumerate([plan.chunk_rows] + [int(r) for r in args.rows.split(",") if r]):
-            m = min(-(-m // 128) * 128, rows.count // 128 * 128)
+        for i, m in enumerate(chunk_rows(plan, rows, args.rows)):
             xs, target = rows.gather(x, 0, m), rows.target[:m].contiguous()
             logits = torch.empty(m, v, device=DEVICE, dtype=x.dtype)
             loss, lse = (torch.empty(m, device=DEVICE, dtype=torch.float32) for _ in range(2))
@@ -235,13 +244,17 @@ def main():
                     run()  # the JIT compile
                     torch.cuda.synchronize()
                     t_epi = bench(run)
-                    cells += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_epi / (t_mm + t_stats):.3f}"]
+                    stats = ExpStats(k=out["k"], sum_exp=out["sum_exp"], target_logit=out["target_logit"], tile_n=tn)
+                    merged = torch.empty_like(loss), torch.empty_like(lse)  # (lse stays today's, for accuracy())
+                    t_merge = bench(lambda: plan.backend.merge_exp_stats(stats, *merged, terms=plan.terms))
+                    cells += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_merge:.3f}",
+                              f"{(t_epi + t_merge) / (t_mm + t_stats):.3f}"]
                     if i == 0 and config == "auto":
                         errs = accuracy(xs, w, target, logits, lse, out, tn)
                         errors.append(f"| {name} | {m} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-                    out = run = None
+                    out = run = stats = merged = None
                 except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
-                    cells += [f"failed: {type(e).__name__}: {str(e)[:120]}", ""]
+                    cells += [f"failed: {type(e).__name__}: {str(e)[:120]}", "", ""]
                 table.append("| " + " | ".join(cells + [f"{t_grad:.3f}"]) + " |")
                 print(table[-1], flush=True)
             logits = grad = None

@@ -73,6 +73,10 @@ class Backend(Protocol):
                       row_scale: torch.Tensor | None) -> None:
         """d(loss)/d(logits) of the plain loss from ``exp_matmul``'s outputs into ``out`` (may be ``e`` itself)."""
 
+    def merge_exp_stats(self, stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tensor, *,
+                        terms: LossTerms) -> None:
+        """Per-row loss and lse of the plain loss from ``exp_matmul``'s per-tile statistics (merged in base 2)."""
+
     def supports_stats_in_matmul(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``matmul_partials`` can give a no-grad forward its statistics without a logits chunk."""
 

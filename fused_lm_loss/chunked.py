@@ -185,8 +185,8 @@ class LossStep:
 
     def stats(self, logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> None:
         if self.compute and self.exp_stats is not None:  # E is not the logits: the epilogue's statistics
-            loss, lse = loss_from_stats(*self.exp_stats.row_stats(), self.plan.terms)
-            self.loss[start:end], self.lse[start:end] = loss, lse
+            self.plan.backend.merge_exp_stats(self.exp_stats, self.loss[start:end], self.lse[start:end],
+                                              terms=self.plan.terms)
         elif self.compute:
             _chunk_losses(self.plan, logits, target, self.loss[start:end], self.lse[start:end])
         if self.argmax is not None:  # token accuracy: a second read of the chunk, only when asked for

@@ -10,14 +10,14 @@ GEMM of a training chunk instead writes, per row i and tile t of ``tile_n`` colu
     s_it = sum_{j in t} 2^(log2e z_ij - k_it)       fp32
     z_i,target                                      fp32, the accumulator's own value
 
-so that lse_i = ln2 k_i* + log(sum_t s_it 2^(k_it - k_i*)) with k_i* = max_t k_it (``ExpStats.row_stats``) and
-p_ij = E_ij 2^(k_it - log2e lse_i): the gradient pass (``grad_from_exp``) forms G from E with one more rounding,
-the target column from z_i,target in fp32 (no cancellation in p - 1). Measured on the H200 (benchmarks/NOTES.md,
-session 14): G 10x closer to float64 (6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the GEMM with this
-epilogue 0.74-0.97x the time of cuBLAS + the statistics pass at the library's chunks (1.04-1.06x at a 7296-row
-chunk at H = 4096). The whole step, timed beside the default path in one run (session 18): 0.93x / 0.94x the floor at
-Llama-3-8B, 1.06x / 1.08x at Gemma-2-2B, 1.23x / 1.23x at Qwen2.5-0.5B (Qwen2.5-7B keeps the default path, below),
-with dX / dW 2.4-2.9e-3 against 6.9-7.5e-3.
+so that lse_i = ln2 k_i* + log(sum_t s_it 2^(k_it - k_i*)) with k_i* = max_t k_it (the backend's ``merge_exp_stats``,
+one launch) and p_ij = E_ij 2^(k_it - log2e lse_i): the gradient pass (``grad_from_exp``) forms G from E with one more
+rounding, the target column from z_i,target in fp32 (no cancellation in p - 1). Measured on the H200
+(benchmarks/NOTES.md, session 14): G 10x closer to float64 (6.4e-4 against 6.4e-3), lse 3e-6 against 5e-4, and the
+GEMM with this epilogue 0.74-0.97x the time of cuBLAS + the statistics pass at the library's chunks (1.04-1.06x at a
+7296-row chunk at H = 4096). The whole step, timed beside the default path in one run (session 18): 0.93x / 0.94x the
+floor at Llama-3-8B, 1.06x / 1.08x at Gemma-2-2B, 1.23x / 1.23x at Qwen2.5-0.5B (Qwen2.5-7B keeps the default path,
+below), with dX / dW 2.4-2.9e-3 against 6.9-7.5e-3.
 
 The plan takes this path (``plan.exp_epilogue``) for a training step of the plain loss: no bias, softcap, logit
 scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16
@@ -26,8 +26,9 @@ a batch that fits one chunk without them (a second chunk brings the wide dW accu
 everything else keeps cuBLAS + ``row_stats``. On CPU (tests) the same algorithm runs in PyTorch
 (``exp_matmul_reference``).
 
-Buffers: E (chunk rows, V) bf16 in the logits chunk's place; k and s (chunk rows, V / tile_n) fp32; the target
-logit (chunk rows,) fp32.
+Buffers: E (chunk rows, V) bf16 in the logits chunk's place; k and s (chunk rows, V / tile_n) fp32 (k an integer
+exponent, fp32 as the epilogue writes it); the target logit (chunk rows,) fp32; nothing else (the merge needs no
+temporary).
 """
 from __future__ import annotations
 
@@ -58,23 +59,15 @@ class ExpStats:
     target_logit: torch.Tensor
     tile_n: int
 
-    def row_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(max, sum-exp, target logit, logit sum = 0) per row, as ``loss_terms.loss_from_stats`` takes them: the
-        tiles merged at the largest k (every other tile's sum rescaled by an exact power of two)."""
-        k_max = self.k.amax(1)
-        rescaled = self.k - k_max[:, None]  # the one (rows, tiles) temporary that bytes_per_row counts
-        rescaled.exp2_().mul_(self.sum_exp)
-        return k_max * LN2, rescaled.sum(1), self.target_logit, torch.zeros_like(k_max)
-
 
 def tile_width(vocab: int) -> int | None:
     return next((t for t in TILE_WIDTHS if vocab % t == 0), None)
 
 
 def bytes_per_row(vocab: int) -> int:
-    """The epilogue's fp32 outputs per chunk row besides E (k, s, the target logit) and the merge's temporary."""
+    """The epilogue's fp32 outputs per chunk row besides E: k, s and the target logit."""
     tiles = vocab // (tile_width(vocab) or 1)
-    return 4 * (3 * tiles + 1)
+    return 4 * (2 * tiles + 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,6 @@ backward, out of place (``rescaled``); a higher-order gradient raises (``refuse_
 from __future__ import annotations
 
 import inspect
-import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .exp_epilogue import LOG2E, ExpStats, exp_matmul_reference
+from .exp_epilogue import LN2, LOG2E, ExpStats, exp_matmul_reference
 from .loss_terms import LossTerms, loss_from_stats
 from .transform import LogitTransform
 
@@ -44,6 +44,16 @@ def grad_from_exp(e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse:
     if row_scale is not None:
         grad *= row_scale[:, None]
     out.copy_(grad)
+
+
+def merge_exp_stats(stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tensor, *, terms: LossTerms) -> None:
+    """Per-row loss and lse from the epilogue's per-tile k and sums (kernels/row_stats.py ``merge_exp_stats``): the
+    tiles merged at the row's largest k, every other tile's sum moved by an exact power of two."""
+    k_max = stats.k.amax(1)
+    sum_exp = (torch.exp2(stats.k - k_max[:, None]) * stats.sum_exp).sum(1)
+    loss, lse = loss_from_stats(k_max * LN2, sum_exp, stats.target_logit, torch.zeros_like(k_max), terms)
+    loss_out.copy_(loss)
+    lse_out.copy_(lse)
 
 
 def matmul_partials(*args, **kwargs):

@@ -224,9 +224,6 @@ def test_the_exp_statistics_twin_against_float64():
     assert rel_err(e.double() * scale, torch.exp(z)) < 4e-3  # E rounded once to bf16
     assert rel_err(stats.sum_exp.double(), (torch.exp(z) / scale).view(9, 5, tile).sum(2)) < 1e-6
     assert rel_err(stats.target_logit, z.gather(1, target[:, None]).squeeze(1)) < 1e-6
-    row_max, sum_exp, target_logit, logit_sum = stats.row_stats()
-    assert rel_err(row_max.double() + torch.log(sum_exp.double()), torch.logsumexp(z, 1)) < 1e-6
-    assert torch.equal(target_logit, stats.target_logit) and not logit_sum.any()
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the CuTe DSL GEMM needs an sm90 GPU")

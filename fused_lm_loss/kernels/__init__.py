@@ -16,7 +16,7 @@ from .grad_logits import grad_logits, token_grad_logits
 from .matmul_stats import matmul_partials
 from .matmul_stats import partial_bytes_per_row as matmul_partial_bytes_per_row
 from .matmul_stats import supported as supports_stats_in_matmul
-from .row_stats import merge_partials, row_losses, row_stats
+from .row_stats import merge_exp_stats, merge_partials, row_losses, row_stats
 from .select_rows import select_rows
 from .token_stats import token_stats
 
@@ -24,6 +24,6 @@ name = "triton"
 
 __all__ = [
     "divergence_rows", "exp_matmul", "grad_from_exp", "grad_logits", "matmul_partial_bytes_per_row",
-    "matmul_partials", "matmul_stats", "merge_partials", "name", "row_losses", "row_stats", "select_rows",
-    "supports_exp_epilogue", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
+    "matmul_partials", "matmul_stats", "merge_exp_stats", "merge_partials", "name", "row_losses", "row_stats",
+    "select_rows", "supports_exp_epilogue", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
 ]

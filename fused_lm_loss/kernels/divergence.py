@@ -62,10 +62,9 @@ import triton.language as tl
 
 from ..transform import LogitTransform
 from .args import shares_memory
-from .online import LOG2E, rebase, residual
+from .online import LN2, LOG2E, rebase, residual
 from .transform import chain_rule, loss_space, transform_scalars
 
-LN2 = tl.constexpr(0.6931471805599453)
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 
 

@@ -11,6 +11,7 @@ import triton.language as tl
 
 # exp(d) as exp2(d * LOG2E): what tl.exp computes, less its fix-up of denormal results (ex2.approx.ftz on NVIDIA)
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 
 
@@ -56,24 +57,31 @@ def residual(row_max, ref, offset):
 
 
 @triton.jit
-def segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS: tl.constexpr):
-    """(offsets, mask) of segments [first, first + BLOCK_SEGMENTS) x ``rows`` in a (segments, n_rows) partial."""
+def segment_block(first, rows, row_mask, segment_stride, row_stride, n_segments, BLOCK_SEGMENTS: tl.constexpr):
+    """(offsets, mask) of segments [first, first + BLOCK_SEGMENTS) x ``rows`` in a partial whose element (segment,
+    row) is at segment * segment_stride + row * row_stride."""
     segments = first + tl.arange(0, BLOCK_SEGMENTS)
-    offsets = segments[:, None] * n_rows + rows[None, :]
+    offsets = segments[:, None] * segment_stride + rows[None, :] * row_stride
     mask = (segments[:, None] < n_segments) & row_mask[None, :]
     return offsets, mask
 
 
 @triton.jit
-def merge_segments(row_max, row_sumexp, seg_max, seg_sumexp):
+def merge_segments(row_max, row_sumexp, seg_max, seg_sumexp, BASE2: tl.constexpr = False):
     """Fold a (segments, rows) block of partials into the running (max, sum-exp) of each row.
 
     Returns (max, sum-exp, shift, row_rescale, seg_rescale): the new state, its reference (the new max, 0 while
     all -inf) and the factors exp(m - shift) that moved the old state and each segment to it, for the callers
-    that carry more sums relative to the maximum (``token_stats``)."""
+    that carry more sums relative to the maximum (``token_stats``). BASE2: the maxima are base-2 exponents (sums
+    relative to 2^m), moved by 2^(m - shift): exact powers of two where the maxima are integers (the Hopper
+    epilogue's k)."""
     new_max = tl.maximum(row_max, tl.max(seg_max, axis=0))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: no -inf - -inf
-    row_rescale = tl.exp(row_max - shift)
-    seg_rescale = tl.exp(seg_max - shift[None, :])
+    if BASE2:
+        row_rescale = tl.exp2(row_max - shift)
+        seg_rescale = tl.exp2(seg_max - shift[None, :])
+    else:
+        row_rescale = tl.exp(row_max - shift)
+        seg_rescale = tl.exp(seg_max - shift[None, :])
     new_sumexp = row_sumexp * row_rescale + tl.sum(seg_sumexp * seg_rescale, axis=0)
     return new_max, new_sumexp, shift, row_rescale, seg_rescale

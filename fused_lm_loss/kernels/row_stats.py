@@ -42,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..exp_epilogue import ExpStats
 from ..loss_terms import LossTerms
 from ..transform import LogitTransform
 from .args import check_class_weight, check_target
-from .online import LOG2E, merge_segments, segment_block
+from .online import LN2, LOG2E, merge_segments, segment_block
 from .transform import loss_space, transform_scalars
 
 
@@ -157,7 +158,12 @@ def _segment_stats_kernel(
 
 @triton.jit
 def _merge_segments_kernel(
-    partial_ptr,
+    max_ptr,
+    sumexp_ptr,
+    sum_ptr,
+    segment_stride,
+    row_stride,
+    target_logit_ptr,
     stats_ptr,
     loss_ptr,
     lse_ptr,
@@ -172,34 +178,37 @@ def _merge_segments_kernel(
     HAS_SUM: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
+    BASE2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SEGMENTS: tl.constexpr,
 ):
-    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials, a
-    (4, n_segments, n_rows) buffer whose target logit is in segment 0's slot; with WRITE_LOSS instead the
-    row's loss and lse (``loss_terms.loss_from_stats``). Segments are merged BLOCK_SEGMENTS at a time, online.
-    Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
+    """stats[k, row] for k = (max, sum-exp, target logit, sum) from the rows' segment partials (max, sum-exp and sum
+    of (segment, row) at segment * segment_stride + row * row_stride; the target logit one per row); with WRITE_LOSS
+    instead the row's loss and lse (``loss_terms.loss_from_stats``). Segments are merged BLOCK_SEGMENTS at a time,
+    online. Segments that are all -inf (max -inf, sum-exp 0) add nothing; a row of only such segments gets max -inf,
     sum-exp 0, lse -inf. HAS_CLASS_WEIGHT (with WRITE_LOSS): the weighted loss, w_t = class_weight[target]
-    (0 for a target < 0) and W = weight_sum[0]."""
+    (0 for a target < 0) and W = weight_sum[0]. BASE2 (with WRITE_LOSS): the maxima are base-2 exponents, sums
+    relative to 2^max (the Hopper epilogue's k and sums, ``merge_exp_stats``)."""
     smoothing_per_class = tl.cast(smoothing_per_class, tl.float32)
     target_weight = tl.cast(target_weight, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    stat_stride = n_segments * n_rows
     row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
     row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     for first in range(0, n_segments, BLOCK_SEGMENTS):
-        offsets, mask = segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS)
-        seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
-        seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
-        row_max, row_sumexp, _, _, _ = merge_segments(row_max, row_sumexp, seg_max, seg_sumexp)
+        offsets, mask = segment_block(first, rows, row_mask, segment_stride, row_stride, n_segments, BLOCK_SEGMENTS)
+        seg_max = tl.load(max_ptr + offsets, mask=mask, other=float("-inf"))
+        seg_sumexp = tl.load(sumexp_ptr + offsets, mask=mask, other=0.0)
+        row_max, row_sumexp, _, _, _ = merge_segments(row_max, row_sumexp, seg_max, seg_sumexp, BASE2)
         if HAS_SUM:
-            row_sum += tl.sum(tl.load(partial_ptr + 3 * stat_stride + offsets, mask=mask, other=0.0), axis=0)
+            row_sum += tl.sum(tl.load(sum_ptr + offsets, mask=mask, other=0.0), axis=0)
     row_max = tl.where(row_mask, row_max, 0.0)
-    z_target = tl.load(partial_ptr + 2 * stat_stride + rows, mask=row_mask, other=0.0)
+    z_target = tl.load(target_logit_ptr + rows, mask=row_mask, other=0.0)
     if WRITE_LOSS:
+        if BASE2:
+            row_max = row_max * LN2
         lse = row_max + tl.log(tl.where(row_mask, row_sumexp, 1.0))
         if HAS_CLASS_WEIGHT:
             # (1 - eps) w_t (lse - z_t) + (eps / V) (W lse - sum_j w_j z_j) + z_loss lse^2 (target_weight = 1 - eps)
@@ -321,7 +330,12 @@ def merge_partials(
         assert not write_loss or (loss_out.stride(0) == 1 and lse_out.stride(0) == 1)
         block_rows = 32
         _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
-            partial,
+            partial[0],
+            partial[1],
+            partial[3],
+            rows,
+            1,
+            partial[2, 0],  # the target logit, in segment 0's slot
             stats,
             loss_out if write_loss else stats,
             lse_out if write_loss else stats,
@@ -336,9 +350,49 @@ def merge_partials(
             HAS_SUM=terms.smooths,
             WRITE_LOSS=write_loss,
             HAS_CLASS_WEIGHT=weighted,
+            BASE2=False,
             BLOCK_ROWS=block_rows,
             BLOCK_SEGMENTS=min(triton.next_power_of_2(n_segments), 64),
         )
     if write_loss:
         return None
     return stats[0], stats[1], stats[2], stats[3]
+
+
+def merge_exp_stats(stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tensor, *, terms: LossTerms) -> None:
+    """Per-row loss and lse (fp32, into ``loss_out`` / ``lse_out``) of the plain loss from the Hopper epilogue's
+    per-(row, tile) k and sums (exp_epilogue.py): the tiles merged at the row's largest k, each other tile's sum moved
+    by an exact power of two, in one launch (no (rows, tiles) temporary)."""
+    rows, n_tiles = stats.k.shape
+    assert terms.class_weight is None and not terms.smooths, "the exp epilogue serves the plain loss (plan.py)"
+    assert stats.k.is_contiguous() and stats.sum_exp.is_contiguous() and stats.target_logit.is_contiguous()
+    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
+    if rows == 0:
+        return
+    # a few rows per program: a chunk's rows x ~1000 tiles, read along the tiles (a row's k are contiguous)
+    block_rows = 4
+    _merge_segments_kernel[(triton.cdiv(rows, block_rows),)](
+        stats.k,
+        stats.sum_exp,
+        stats.sum_exp,  # (no sum: HAS_SUM is off)
+        1,
+        n_tiles,
+        stats.target_logit,
+        loss_out,
+        loss_out,
+        lse_out,
+        loss_out,
+        loss_out,
+        loss_out,
+        rows,
+        n_tiles,
+        0.0,
+        1.0,
+        float(terms.z_loss),
+        HAS_SUM=False,
+        WRITE_LOSS=True,
+        HAS_CLASS_WEIGHT=False,
+        BASE2=True,
+        BLOCK_ROWS=block_rows,
+        BLOCK_SEGMENTS=min(triton.next_power_of_2(n_tiles), 256),
+    )

@@ -216,7 +216,7 @@ def _token_merge_kernel(
     row_squares = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     for first in range(0, n_segments, BLOCK_SEGMENTS):
-        offsets, mask = segment_block(first, rows, row_mask, n_rows, n_segments, BLOCK_SEGMENTS)
+        offsets, mask = segment_block(first, rows, row_mask, n_rows, 1, n_segments, BLOCK_SEGMENTS)
         seg_max = tl.load(partial_ptr + offsets, mask=mask, other=float("-inf"))
         seg_sumexp = tl.load(partial_ptr + stat_stride + offsets, mask=mask, other=0.0)
         seg_wsum = tl.load(partial_ptr + 2 * stat_stride + offsets, mask=mask, other=0.0)

@@ -52,9 +52,11 @@ KERNELS = [
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, NEED_SUM=True, HAS_CLASS_WEIGHT=True, SEGMENT_COLS=16384,
           BLOCK_V=2048)),
     ("row_stats", "_merge_segments_kernel",
-     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=False, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
+     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=False, BASE2=False, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
     ("row_stats", "_merge_segments_kernel",
-     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=True, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
+     dict(HAS_SUM=True, WRITE_LOSS=True, HAS_CLASS_WEIGHT=True, BASE2=False, BLOCK_ROWS=32, BLOCK_SEGMENTS=8)),
+    ("row_stats", "_merge_segments_kernel",
+     dict(HAS_SUM=False, WRITE_LOSS=True, HAS_CLASS_WEIGHT=False, BASE2=True, BLOCK_ROWS=4, BLOCK_SEGMENTS=256)),
     ("grad_logits", "_grad_logits_kernel",
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, PER_ROW_SCALE=True, SPLIT=True, HAS_CLASS_WEIGHT=False,
           SMOOTH_WEIGHTS=False, BLOCK_V=2048)),
@@ -141,7 +143,7 @@ print("RESULTS " + json.dumps(results))
 def test_kernels_compile_with_fp64_scalars_and_compute_in_fp32():
     pytest.importorskip("triton.tools.tensor_descriptor")  # (matmul_stats' TMA descriptors)
     results = run_script(_COMPILE_AND_READ_IR)
-    assert len(results) == 15  # every kernel of the script's KERNELS
+    assert len(results) == 16  # every kernel of the script's KERNELS
     for result in results:
         assert result["floats"], result  # the kernel has float scalars, and they were fp64
         assert result["error"] is None, result

@@ -1,4 +1,6 @@
 """The stats kernel (Triton, interpreted on CPU) and its PyTorch twin against float64 math."""
+import math
+
 import pytest
 import torch
 
@@ -116,3 +118,41 @@ def test_merge_over_more_segments_than_one_block(monkeypatch):
                terms=LossTerms(label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab))
     assert rel_err(loss, expected) < 1e-5
     assert rel_err(lse_out, lse) < 1e-6
+
+
+@pytest.mark.parametrize("rows, tiles", [(1, 1), (7, 5), (6, 600)])  # 7: not a multiple of the rows per program;
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])                     # 600: more tiles than one block of the merge
+def test_merge_exp_stats_against_float64(rows, tiles, z_loss):
+    """The Hopper epilogue's per-(row, tile) integer exponents k and sums s (exp_epilogue.py) merged into each row's
+    loss and lse, the kernel and its PyTorch twin: lse = log sum_t s_t 2^k_t, loss = lse - z_target + z_loss lse^2."""
+    from fused_lm_loss.exp_epilogue import ExpStats
+    from fused_lm_loss.kernels import merge_exp_stats
+
+    k = torch.randint(-40, 41, (rows, tiles)).float()
+    k[0, -1] = 120.0  # one tile far above the rest: every other sum is moved by 2^-(120 - k), some to 0
+    sum_exp = torch.rand(rows, tiles) * 100 + 0.7  # a tile's sum holds its largest element, 2^[-1/2, 1/2]
+    stats = ExpStats(k=k, sum_exp=sum_exp, target_logit=torch.randn(rows) * 10, tile_n=128)
+    lse = torch.logsumexp(sum_exp.double().log() + k.double() * math.log(2.0), 1)
+    expected = lse - stats.target_logit.double() + z_loss * lse * lse
+    terms = LossTerms(z_loss=z_loss, vocab_size=128 * tiles)
+    for impl in (merge_exp_stats, torch_backend.merge_exp_stats):
+        loss_out, lse_out = torch.full((2, rows), float("nan")).unbind(0)
+        impl(stats, loss_out, lse_out, terms=terms)
+        assert rel_err(lse_out, lse) < 1e-6, impl.__module__
+        assert rel_err(loss_out, expected) < 1e-6, impl.__module__
+
+
+@pytest.mark.parametrize("where", ["k", "sum_exp"])
+def test_merge_exp_stats_keeps_a_nan(where):
+    """A NaN exponent or sum (a NaN in the hidden states) makes its row's loss and lse NaN, the other rows exact."""
+    from fused_lm_loss.exp_epilogue import ExpStats
+    from fused_lm_loss.kernels import merge_exp_stats
+
+    stats = ExpStats(k=torch.randint(-5, 6, (3, 300)).float(), sum_exp=torch.rand(3, 300) + 1,
+                     target_logit=torch.randn(3), tile_n=128)
+    getattr(stats, where)[1, 257] = float("nan")
+    for impl in (merge_exp_stats, torch_backend.merge_exp_stats):
+        loss_out, lse_out = torch.zeros((2, 3)).unbind(0)
+        impl(stats, loss_out, lse_out, terms=LossTerms(vocab_size=128 * 300))
+        assert loss_out[1].isnan() and lse_out[1].isnan(), impl.__module__
+        assert loss_out[[0, 2]].isfinite().all() and lse_out[[0, 2]].isfinite().all(), impl.__module__
