@@ -53,8 +53,8 @@ def logits_loss(
     logits: torch.Tensor, labels: torch.Tensor, opts: LossOptions, *, num_items_in_batch: Any = None
 ) -> torch.Tensor:
     """Cross-entropy of logits that already exist (already through the model's softcap / scale), with the
-    options' ``ignore_index``, temperature, label smoothing, z-loss and reduction, in chunks: no fp32 copy of the
-    logits.
+    options' ``ignore_index``, temperature, label smoothing, z-loss, reduction and gradient scale (``grad_scaler``),
+    in chunks: no fp32 copy of the logits.
 
     ``logits`` (..., V), ``labels`` shaped like ``logits.shape[:-1]`` (already shifted).
     """
@@ -62,7 +62,8 @@ def logits_loss(
     check_logits(logits, labels)
     num_items = num_items_tensor(num_items_in_batch, opts)
     need_grad = grad_needs((logits,))[0]
-    return ops.logits_cross_entropy(logits, labels, num_items, need_grad, opts=opts)[0]
+    scale, scaling = resolve_scaling(opts, None)
+    return ops.logits_cross_entropy(logits, labels, num_items, scale, scaling, need_grad, opts=opts)[0]
 
 
 def fused_linear_cross_entropy(

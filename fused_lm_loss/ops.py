@@ -267,12 +267,14 @@ def _logits_call(opts: LossOptions, logits: Tensor, labels: Tensor):
 
 @fused_op("fused_lm_loss::logits_cross_entropy")
 def logits_cross_entropy(
-    logits: Tensor, labels: Tensor, num_items: Optional[Tensor], need_grad: bool, *, opts: LossOptions
+    logits: Tensor, labels: Tensor, num_items: Optional[Tensor], scale: Optional[Tensor], scaling: float,
+    need_grad: bool, *, opts: LossOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, d logits) of CE(logits / temperature, labels) for logits (..., V) that already carry the
     model's softcap / scale; the same outputs and rules as ``linear_cross_entropy`` (d logits in the logits'
-    dtype)."""
+    dtype, made times ``scaling`` or the value of ``scale``, as a GradScaler's gradients: fp16 keeps them)."""
     specs = _logits_outputs(opts, need_grad, logits, labels)
+    scaling = gradient_scale(scale, scaling)
     head, rows, backend, shard = _logits_call(opts, logits, labels)
     terms = loss_terms(opts, shard, logits.device)
     if opts.reduction == "none":
@@ -282,14 +284,14 @@ def logits_cross_entropy(
         return conform(specs, (per_token(step.loss, rows, labels), lse, None), logits.device)
     denominator = mean_denominator(rows.count, num_items) if opts.reduction == "mean" else 1.0
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(hidden=need_grad),
-                     grad_scale=1.0 / denominator, terms=terms)
+                     grad_scale=scaling / denominator, terms=terms)
     out = run_chunks(plan, head, rows, LossStep(plan, logits.device))
     grad = shaped_like(out.grads[0][0], logits)
     return conform(specs, (out.step.loss.sum() / denominator, None, grad), logits.device)
 
 
 @logits_cross_entropy.register_fake
-def _(logits, labels, num_items, need_grad, *, opts):
+def _(logits, labels, num_items, scale, scaling, need_grad, *, opts):
     return allocate(_logits_outputs(opts, need_grad, logits, labels), logits.device)
 
 
@@ -312,7 +314,7 @@ def _(logits, labels, lse, grad_per_token, *, opts):
 
 
 def _setup_logits(ctx, inputs, opts, output) -> None:
-    logits, labels, _, need_grad = inputs
+    logits, labels, _, scale, scaling, need_grad = inputs
     loss, lse, grad = output
     ctx.need_grad = need_grad
     ctx.set_materialize_grads(False)
@@ -320,20 +322,20 @@ def _setup_logits(ctx, inputs, opts, output) -> None:
     if opts.reduction == "none":
         save_with_options(ctx, opts, logits, labels, lse)
     else:
-        ctx.opts = without_tensors(opts)
-        save_grads(ctx, [grad])
+        ctx.opts, ctx.scaling = without_tensors(opts), scaling
+        save_grads(ctx, [grad], scale)
 
 
 def _backward_logits(ctx, grad_loss, *unused):
     refuse_double_backward(grad_loss)
-    call_values = (None,) * 3  # labels, num_items, need_grad
+    call_values = (None,) * 5  # labels, num_items, scale, scaling, need_grad
     if grad_loss is None or not ctx.need_grad:
         return (None, *call_values)
     if ctx.opts.reduction == "none":
         saved, opts = saved_with_options(ctx)
         return (logits_cross_entropy_backward(*saved, grad_loss, opts=opts), *call_values)
-    (grad,) = ctx.saved_tensors
-    return (rescaled([grad], [grad.dtype], grad_loss, None, 1.0)[0], *call_values)
+    scale, grad = ctx.saved_tensors
+    return (rescaled([grad], [grad.dtype], grad_loss, scale, ctx.scaling)[0], *call_values)
 
 
 logits_cross_entropy.register_autograd(_backward_logits, setup_context=_setup_logits)

@@ -69,6 +69,31 @@ def test_grad_scaler_scale_is_used(backend):
         assert rel_err(hidden.grad, 2.0**12 * grads["hidden"]) <= 2e-4
 
 
+def test_grad_scaler_scale_is_used_on_given_logits(backend):
+    """The loss of logits that already exist (``causal_lm_loss``: a patched model's eval loss, the integrations)
+    makes d logits in the logits' dtype times the scaler's scale, as autograd through F.cross_entropy would see
+    them after scale(loss): fp16 keeps them. Unscaled, 1 / num_items_in_batch times p would flush most of them
+    to 0 in fp16. Checked against float64 at both steps (init_scale, then the scale tensor)."""
+    from fused_lm_loss.loss import logits_loss
+
+    scale, num_items = 2.0**16, 2**20
+    logits = (torch.randn(24, 300, dtype=torch.float64) * 3).half()
+    labels = torch.randint(0, 300, (24,))
+    labels[::5] = -100
+    z = logits.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(z, labels, reduction="sum").div(num_items).backward()
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=scale)
+    opts = FusedLMLoss(grad_scaler=scaler).options
+    for step in range(2):
+        x = logits.clone().requires_grad_(True)
+        loss = logits_loss(x, labels, opts, num_items_in_batch=num_items)
+        assert (scaler._scale is None) == (step == 0)
+        scaler.scale(loss).backward()
+        assert x.grad.dtype == torch.float16
+        assert rel_err(x.grad.double() / scale, z.grad) <= 2e-3  # fp16 rounding of each element
+        assert rel_err(loss, torch.nn.functional.cross_entropy(z.detach(), labels, reduction="sum") / num_items) <= 1e-5
+
+
 def test_disabled_grad_scaler_scales_by_one(backend):
     """GradScaler(enabled=False) (as in ``GradScaler(enabled=use_fp16)``): scale(loss) is the loss itself, so the
     gradients are the plain ones. A disabled scaler has no ``_scale`` attribute at all."""
