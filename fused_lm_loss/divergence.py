@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from .backends import get_backend
 from .chunked import logits_into, matmul_accumulate, label_ids
-from .inputs import check_gathered_for_backward, check_labels, grad_needs, matmul_inputs, reject_sharded
+from .inputs import check_gathered_for_backward, check_labels, grad_needs, matmul_inputs, check_dense
 from .ops_common import apply_factor, refuse_double_backward, shapes_only
-from .options import MATMUL_DTYPES, check_ignore_index, check_real
+from .options import MATMUL_DTYPES, check_fp32_safe, check_ignore_index, check_real, check_transform_products
 from .plan import LOGITS_BUDGET_BYTES, rows_within, split_rows
 from .transform import LogitTransform
 
@@ -85,7 +85,11 @@ class DivergenceOptions:
                     raise ValueError(f"beta must be in (0, 1) for kind='jsd' (0 and 1 are the two KLs), got {value}")
             elif value <= 0.0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        check_ignore_index(self.ignore_index)
+            else:
+                check_fp32_safe(name, value)
+        for side in ("student", "teacher"):
+            check_transform_products(getattr(self, side), f"{side}_logit_scale", f"{side}_softcap")
+        object.__setattr__(self, "ignore_index", check_ignore_index(self.ignore_index))  # (a numpy int: an int)
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                             or self.chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
@@ -339,7 +343,7 @@ def divergence_with(opts: DivergenceOptions, student_hidden: Tensor, student_wei
     _check_flag("return_entropy", return_entropy)
     for name, t in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
-        reject_sharded(name, t)
+        check_dense(name, t)
         if not isinstance(t, Tensor) or t.dtype not in MATMUL_DTYPES:  # (G is written in the matmul dtype)
             raise ValueError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
                              f"{t.dtype if isinstance(t, Tensor) else t!r}")

@@ -56,7 +56,7 @@ def check_tensors(hidden: Any, weight: Any, labels: Any, bias: Any) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
-        reject_sharded(name, t)
+        check_dense(name, t)
     if hidden.dtype not in MATMUL_DTYPES or weight.dtype not in MATMUL_DTYPES:
         raise ValueError(
             f"hidden and weight must be float32, bfloat16 or float16; got {hidden.dtype} and {weight.dtype}"
@@ -80,7 +80,7 @@ def check_logits(logits: Any, labels: Any) -> None:
     """Logits that already exist, (..., V) float, and their labels."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be tensors")
-    reject_sharded("logits", logits)
+    check_dense("logits", logits)
     if logits.dtype not in MATMUL_DTYPES or logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be float32, bfloat16 or float16 of shape (..., V >= 1); got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -97,9 +97,12 @@ def check_labels(labels: torch.Tensor, shape: torch.Size, device: torch.device) 
         raise ValueError(f"labels are on {labels.device} but the other tensors on {device}; move them first")
 
 
-def reject_sharded(name: str, t: Any) -> None:
-    """A shard of a tensor computed with as if whole would silently use part of the weight: refuse a DTensor
-    (FSDP2 / tensor parallel) and a DeepSpeed ZeRO-3 partition that is not gathered."""
+def check_dense(name: str, t: Any) -> None:
+    """A plain strided tensor holding all of its values: a sparse (or other layout) tensor gets a clear error instead
+    of one from deep inside; a shard computed with as if whole would silently use part of the weight, so a DTensor
+    (FSDP2 / tensor parallel) and a DeepSpeed ZeRO-3 partition that is not gathered are refused."""
+    if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: call .to_dense() first")
     if t is None or not torch.distributed.is_available():
         return
     try:
@@ -143,8 +146,8 @@ def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) ->
     u, b = low_rank
     if not isinstance(u, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ValueError(f"low_rank must be a pair of tensors (u, B), got ({type(u).__name__}, {type(b).__name__})")
-    reject_sharded("low_rank u", u)
-    reject_sharded("low_rank B", b)
+    check_dense("low_rank u", u)
+    check_dense("low_rank B", b)
     if u.shape[:-1] != hidden.shape[:-1] or b.dim() != 2 or b.shape != (weight.shape[0], u.shape[-1]):
         raise ValueError(
             f"low_rank shapes must be u {tuple(hidden.shape[:-1])} + (r,) and B ({weight.shape[0]}, r); "

@@ -32,7 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from . import distributed
 from .backends import get_backend
 from .chunked import KeptLogits, LinearHead, Rows, label_ids, select_rows
-from .options import LossOptions, operator_fields
+from .options import FP32_SAFE_RANGE, LossOptions, operator_fields
 from .plan import grad_dtypes
 
 # ---- options as operator arguments -------------------------------------------------------------------------
@@ -219,16 +219,12 @@ def per_token(values: Tensor, rows: Rows, labels: Tensor) -> Tensor:
 # ---- autograd ------------------------------------------------------------------------------------------------
 
 
-#: The gradient scalings a call accepts besides 0: forward forms the gradients in fp32 times the scaling, backward
-#: multiplies them by grad_output / scaling, and outside this range either step leaves fp32's normal numbers
-#: (below 2**-126 the reciprocal is inf; far above, a gradient of 1 times it), giving inf / NaN gradients.
-SCALING_RANGE = (2.0**-64, 2.0**64)
-
-
 def gradient_scale(scale: Tensor | None, scaling: float) -> float:
     """The gradient scale of a call: the GradScaler's scale tensor when given, else ``scaling``."""
     value = float(scale) if scale is not None else float(scaling)
-    low, high = SCALING_RANGE
+    # forward forms the gradients in fp32 times the scaling, backward multiplies them by grad_output / scaling:
+    # outside the range either step leaves fp32's normal numbers (inf / NaN gradients)
+    low, high = FP32_SAFE_RANGE
     if not (value == 0.0 or low <= value <= high):
         raise ValueError(f"the gradient scaling must be 0 or between 2**-64 and 2**64 (fp32 gradients are formed times "
                          f"it and rescaled by its reciprocal), got {value}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TENSOR_ARG = {"crosses": "tensor"}  # a positional Optional[Tensor] argument (custom ops take no keyword tensors)
 GROUP_ARG = {"crosses": "group"}  # a torch.distributed group, by the name distributed.group_name gives it
 HOST_ONLY = {"crosses": None}  # read on the host before the call; not an operator argument
+
+#: Where a positive scalar that reaches fp32 math must lie: the options softcap, logit_scale, temperature and a
+#: non-zero z_loss, the products the kernels take (scale / temperature, softcap / temperature, scale / softcap), and
+#: a gradient scaling (``ops_common.gradient_scale``). Outside it fp32 rounds the value itself to 0 or inf, or its
+#: product with a logit, an lse or a gradient leaves fp32's normal numbers: inf / NaN where float64 is finite.
+FP32_SAFE_RANGE = (2.0**-64, 2.0**64)
 
 
 @dataclass(frozen=True, eq=False)  # (class_weight is a tensor: options compare by identity)
@@ -60,7 +67,7 @@ class LossOptions:
     keep_logits: bool = False
 
     def __post_init__(self) -> None:
-        check_ignore_index(self.ignore_index)
+        object.__setattr__(self, "ignore_index", check_ignore_index(self.ignore_index))  # (a numpy int: an int)
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         check_real("label_smoothing", self.label_smoothing)
@@ -69,14 +76,19 @@ class LossOptions:
         check_real("z_loss", self.z_loss)
         if self.z_loss < 0.0:
             raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        if self.z_loss != 0.0:
+            check_fp32_safe("z_loss", self.z_loss)
         if self.softcap is not None:
             check_real("softcap", self.softcap)
             if self.softcap <= 0.0:
                 raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+            check_fp32_safe("softcap", self.softcap)
         for name in ("logit_scale", "temperature"):
             check_real(name, getattr(self, name))
             if getattr(self, name) <= 0.0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            check_fp32_safe(name, getattr(self, name))
+        check_transform_products(self.transform)
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
                 raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
@@ -90,14 +102,18 @@ class LossOptions:
             value, lowest = getattr(self, name), 0 if name == "vocab_start" else 1
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
                 raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+        if self.process_group is not None and not is_process_group(self.process_group):
+            raise ValueError(f"process_group must be None or a torch.distributed process group (e.g. "
+                             f"dist.group.WORLD, dist.new_group(...)), got {self.process_group!r}")
         if self.process_group is None and (self.vocab_start is not None or self.vocab_size is not None):
             raise ValueError("vocab_start / vocab_size describe a vocab shard and need a process_group")
         if (self.vocab_start is None) != (self.vocab_size is None):
             raise ValueError("give vocab_start and vocab_size together (unequal shards), or neither (equal shards)")
         if self.class_weight is not None:
             weight = self.class_weight
-            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
-                raise ValueError(f"class_weight must be a 1-d float tensor of one weight per class, got {weight!r}")
+            if (not isinstance(weight, torch.Tensor) or weight.layout != torch.strided or weight.dim() != 1
+                    or not weight.is_floating_point()):
+                raise ValueError(f"class_weight must be a dense 1-d float tensor of one weight per class, got {weight!r}")
             if weight.requires_grad:  # (F.cross_entropy would differentiate it; this loss does not)
                 raise ValueError("class_weight requires grad, but the fused loss gives the class weights no gradient: "
                                  "pass class_weight.detach()")
@@ -208,10 +224,41 @@ def check_real(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
-def check_ignore_index(value: Any) -> None:
-    """An int that int64 labels can equal (a larger one would overflow the comparison with them)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
-        raise ValueError(f"ignore_index must be an int64, got {value!r}")
+def check_fp32_safe(name: str, value: float) -> None:
+    """``value`` within FP32_SAFE_RANGE, else a ValueError naming the option (or the options' product)."""
+    low, high = FP32_SAFE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between 2**-64 and 2**64 (it enters fp32 math, where a value outside "
+                         f"would give inf or NaN), got {value}")
+
+
+def check_transform_products(transform: LogitTransform, scale: str = "logit_scale", softcap: str = "softcap") -> None:
+    """The products of a logit transform's options that the kernels take (``LogitTransform.kernel_args``), each
+    within FP32_SAFE_RANGE; ``scale`` / ``softcap`` name the options in the error."""
+    factor, u_per_x, cap = transform.kernel_args()
+    check_fp32_safe(f"{scale} / temperature", factor)
+    if transform.softcap is not None:
+        check_fp32_safe(f"{softcap} / temperature", cap)
+        check_fp32_safe(f"{scale} / {softcap}", u_per_x)
+
+
+def check_ignore_index(value: Any) -> int:
+    """``value`` as an int that int64 labels can equal (a larger one would overflow the comparison with them): any
+    integer (a Python or numpy int; not a bool or a float), else a ValueError."""
+    try:
+        index = operator.index(value)
+    except TypeError:
+        index = None
+    if isinstance(value, bool) or index is None or not -(2**63) <= index < 2**63:
+        raise ValueError(f"ignore_index must be an integer in the int64 range, got {value!r}")
+    return index
+
+
+def is_process_group(value: Any) -> bool:
+    """Whether ``value`` is a torch.distributed process group (where torch.distributed is built)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
 
 
 def is_finite(value: float) -> bool:

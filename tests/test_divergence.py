@@ -214,7 +214,11 @@ def test_bad_arguments_raise():
                        (dict(reduction="avg"), "reduction"), (dict(chunk_size=0), "chunk_size"),
                        (dict(ignore_index=1.5), "ignore_index"), (dict(ignore_index=2**70), "ignore_index"),
                        (dict(temperature=float("nan")), "temperature"), (dict(beta=1.0), "beta is the mixture weight"),
-                       (dict(kind="reverse_kl", beta=0.3), "beta is the mixture weight")):
+                       (dict(kind="reverse_kl", beta=0.3), "beta is the mixture weight"),
+                       # finite, but outside what fp32 math carries (options.FP32_SAFE_RANGE)
+                       (dict(temperature=1e-39), "temperature"), (dict(teacher_softcap=1e39), "teacher_softcap"),
+                       (dict(student_logit_scale=2.0**40, temperature=2.0**-40), "student_logit_scale / temperature"),
+                       (dict(teacher_softcap=2.0**60, teacher_logit_scale=2.0**-10), "teacher_logit_scale / teacher_s")):
         with pytest.raises(ValueError, match=match):
             fused_divergence(sh, sw, th, tw, labels, **bad)
         with pytest.raises(ValueError, match=match):

@@ -9,7 +9,8 @@ from fused_lm_loss.integrations import causal_lm_loss
 from fused_lm_loss.ops_common import encode
 from fused_lm_loss.options import UNSUPPORTED, LossOptions, check_supported
 
-from .reference import make_inputs
+from .conftest import interpreter_numpy_warnings
+from .reference import make_inputs, reference_loss, rel_err
 
 BAD_OPTIONS = [
     ({"reduction": "avg"}, "reduction"),
@@ -34,6 +35,17 @@ BAD_OPTIONS = [
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": True}, "temperature"),
+    # finite, but outside what fp32 math can carry (options.FP32_SAFE_RANGE): inf / NaN where float64 is finite
+    ({"softcap": 1e39}, "softcap"),
+    ({"temperature": 1e-39}, "temperature"),
+    ({"logit_scale": 2.0**65}, "logit_scale"),
+    ({"z_loss": 1e39}, "z_loss"),
+    ({"logit_scale": 2.0**40, "temperature": 2.0**-40}, "logit_scale / temperature"),
+    ({"softcap": 2.0**60, "logit_scale": 2.0**-10}, "logit_scale / softcap"),
+    ({"softcap": 2.0**60, "temperature": 2.0**-10}, "softcap / temperature"),
+    ({"process_group": "tp"}, "process_group"),
+    ({"ignore_index": "-100"}, "ignore_index"),
+    ({"class_weight": torch.ones(10).to_sparse()}, "class_weight"),
 ]
 
 
@@ -63,10 +75,14 @@ def _good():
         (lambda h, w, y, b: (h.double(), w.double(), y, b), "float32, bfloat16 or float16"),
         (lambda h, w, y, b: (h.bfloat16(), w, y, b), "dtype"),
         (lambda h, w, y, b: (h, w[None], y, b), r"weight \(V, H\)"),
+        (lambda h, w, y, b: (h.to_sparse(), w, y, b), "hidden must be a dense"),
+        (lambda h, w, y, b: (h, w.to_sparse_csr(), y, b), "weight must be a dense"),
+        (lambda h, w, y, b: (h, w, y.to_sparse(), b), "labels must be a dense"),
     ],
     ids=["label_too_big", "label_negative", "H_mismatch", "labels_shape", "float_labels", "bias_shape", "bias_dtype",
-         "float64", "mixed_dtypes", "weight_3d"],
+         "float64", "mixed_dtypes", "weight_3d", "sparse_hidden", "sparse_csr_weight", "sparse_labels"],
 )
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_bad_tensors_raise_value_error(backend, mutate, match):
     hidden, weight, labels, _ = _good()
     with pytest.raises(ValueError, match=match):
@@ -89,6 +105,35 @@ def test_bad_scaling_and_num_items():
         FusedLMLoss()(hidden, weight, labels, num_items_in_batch=0)
     with pytest.raises(ValueError, match="num_items_in_batch"):  # transformers' signature, on logits
         causal_lm_loss(FusedLMLoss().options, hidden @ weight.T, labels, 10, num_items_in_batch=0)
+
+
+@pytest.mark.parametrize("options", [
+    dict(softcap=2.0**63),  # as good as no cap
+    dict(logit_scale=2.0**-60, temperature=2.0**-4),  # logits x 2**-56: a near-uniform softmax
+    dict(logit_scale=2.0**64, temperature=2.0**60),  # x 16
+    dict(softcap=2.0**-30, logit_scale=2.0**30, temperature=2.0**-30),  # logit_scale / softcap = 2**60
+    dict(z_loss=2.0**-64, label_smoothing=0.3),
+])
+@interpreter_numpy_warnings
+def test_options_at_the_edges_of_the_fp32_range_match_float64(backend, options):
+    """What FP32_SAFE_RANGE admits, at its edges, computes what float64 does (loss and gradients)."""
+    hidden, weight, labels, _ = make_inputs(12, 8, 30)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = FusedLMLoss(**options)(h, w, labels)
+    loss.backward()
+    want, grads = reference_loss(hidden.double().requires_grad_(True), weight.double().requires_grad_(True), labels,
+                                 **options)
+    assert rel_err(loss, want) < 1e-5
+    assert rel_err(h.grad, grads["hidden"]) < 1e-4 and rel_err(w.grad, grads["weight"]) < 1e-4
+
+
+def test_a_numpy_integer_ignore_index_is_an_int():
+    np = pytest.importorskip("numpy")
+    hidden, weight, labels, _ = make_inputs(12, 8, 30, ignore_frac=0.0)
+    labels[::3] = 7
+    fused = FusedLMLoss(ignore_index=np.int64(7))
+    assert type(fused.options.ignore_index) is int
+    assert torch.equal(fused(hidden, weight, labels), FusedLMLoss(ignore_index=7)(hidden, weight, labels))
 
 
 def test_repr_shows_changed_options():
