@@ -155,8 +155,8 @@ CONFLICTS: dict[tuple[str, str], str] = {
 # What the fused computations cannot honour, per way of calling: option -> why. ``check_supported`` raises for any
 # of these that is set. Options not listed are honoured; a few do not apply to a call and have nothing to change
 # there (``logits_dtype``, ``accum_dtype`` and ``keep_logits`` on logits that already exist: no matmul, no dW;
-# ``grad_scaler`` for the per-token outputs, whose gradients stay fp32 until backward receives the scaled
-# grad_output).
+# ``grad_scaler`` for the per-token outputs, whose fp16 gradients are formed in backward from the scaled grad_output,
+# or in forward at weight -1, well inside fp16's range: token_ops.components).
 _TOKEN_STATS = {
     "reduction": "the per-token outputs are not reduced (reduce them yourself)",
     "label_smoothing": "the per-token outputs are log-probabilities and entropy, not a smoothed loss",

@@ -16,7 +16,9 @@ changes the cost, never the result):
   row on the device: no recompute, no host sync. An entropy weight that was not expected is recomputed.
 - trainable lm_head, "uniform" (SFT: the mean negative log-likelihood): the gradients of that mean are
   made in forward as the loss makes them; backward checks (one host sync) that a is uniform over the selected
-  rows and b is absent or zero there, and rescales; otherwise it recomputes.
+  rows and b is absent or zero there, and rescales; otherwise it recomputes. Not in fp16: there backward
+  recomputes (G = p / count, formed before backward brings a GradScaler's scale, would sink into fp16's
+  subnormals).
 - trainable lm_head otherwise (RL: per-token advantages): backward recomputes the logits, chunk by chunk or
   over tiles of the vocabulary (plan.vocab_tiling: it knows each row's lse from forward); with
   ``keep_logits`` forward keeps them (N x V in the matmul dtype) and backward reads them: one matmul fewer.
@@ -26,8 +28,8 @@ rows (per-row weight ``mean_nll_weight(count)`` = -1/count in fp32, returned by 
 weight an SFT loss ``-logprobs.sum() / count`` (or ``.mean()`` over the tokens with a label) sends back: in eager
 mode that backward returns the saved gradients untouched, as the loss does for grad_output = 1; any other
 uniform weight is one multiply (the loss's grad_output / scaling). The entropy component has weight 1. A frozen
-head in fp16 makes the logprob component with weight -1 instead (``token_ops.component_weight``): G = p / count
-would sink into fp16's subnormals at large counts.
+head in fp16 makes the logprob component with weight -1 instead (``token_ops.component_weight``), for the same
+reason.
 
 Ignored positions (label == ignore_index) give 0 (logprobs, entropy, lse, mean_logits, log_sum_sq_probs), False
 (is_top1) and -1 (argmax).

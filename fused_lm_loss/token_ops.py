@@ -33,14 +33,19 @@ ROW_INPUTS, VOCAB_INPUTS = (0, 3), (1, 2, 4)  # (hidden, u) have one row per tok
 EXPECTED_GRADS = ("logprobs", "logprobs_and_entropy", "uniform")
 
 
-def components(needs: Sequence[bool], expected_grads: str) -> tuple[str, ...]:
-    """The gradient components forward makes: "logprob" (weight ``mean_nll_weight`` on every row) where backward
+def components(needs: Sequence[bool], expected_grads: str, matmul_dtype: torch.dtype) -> tuple[str, ...]:
+    """The gradient components forward makes: "logprob" (weight ``component_weight`` on every row) where backward
     can weight it per row (only row inputs need a gradient) or is expected to scale it uniformly, and "entropy"
-    (weight 1) where an entropy weight is expected and only row inputs need a gradient."""
+    (weight 1) where an entropy weight is expected and only row inputs need a gradient.
+
+    Not "uniform" in fp16: a trainable head's component is the mean's gradient, G = p / count rounded to fp16 before
+    backward brings the loss's scale (a GradScaler's), and at large counts G sinks into fp16's subnormals (1e-2
+    relative error at 8192 tokens); there backward recomputes with the weights it receives, as autograd would."""
     if not any(needs):
         return ()
     vocab_side = any(needs[i] for i in VOCAB_INPUTS)
-    made = ("logprob",) if not vocab_side or expected_grads == "uniform" else ()
+    uniform = expected_grads == "uniform" and matmul_dtype != torch.float16
+    made = ("logprob",) if not vocab_side or uniform else ()
     if not vocab_side and expected_grads == "logprobs_and_entropy":
         made += ("entropy",)
     return made
@@ -52,19 +57,19 @@ def mean_nll_weight(count: int) -> float:
     return float(torch.tensor(-1.0, dtype=F32) / max(count, 1))
 
 
-def component_weight(count: int, matmul_dtype: torch.dtype, vocab_side: bool) -> float:
+def component_weight(count: int, matmul_dtype: torch.dtype) -> float:
     """The logprob component's per-row weight in forward: ``mean_nll_weight`` (backward then returns an SFT loss's
-    gradients untouched), but -1 for a frozen head in fp16, whose G = p / count would sink into fp16's subnormals
-    at large counts (a frozen head's components feed only dX / du, one row each, no sum over rows that -1 could
-    overflow, and backward weights each row anyway)."""
-    return -1.0 if matmul_dtype == torch.float16 and not vocab_side else mean_nll_weight(count)
+    gradients untouched), but -1 in fp16, where G = p / count would sink into fp16's subnormals at large counts.
+    (In fp16 only a frozen head makes the component (``components``): it feeds only dX / du, one row each, no sum
+    over rows that -1 could overflow, and backward weights each row anyway.)"""
+    return -1.0 if matmul_dtype == torch.float16 else mean_nll_weight(count)
 
 
 def token_outputs(opts: LossOptions, needs: Sequence[bool], expected_grads: str, need_mean_logits: bool,
                   need_log_sum_sq_probs: bool, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                   low_rank_input: Tensor | None, low_rank_weight: Tensor | None, labels: Tensor) -> list[Spec]:
     """The outputs of ``linear_token_stats`` (its fake and real implementations both follow this)."""
-    shape, made = tuple(labels.shape), components(needs, expected_grads)
+    shape, made = tuple(labels.shape), components(needs, expected_grads, hidden.dtype)
     extra = [Spec(shape, F32) if asked else Spec((0,), F32) for asked in (need_mean_logits, need_log_sum_sq_probs)]
     inputs = (hidden, weight, bias, low_rank_input, low_rank_weight)
     recomputes = any(needs) and "logprob" not in made  # (a trainable head: backward recomputes the logits)
@@ -107,11 +112,11 @@ def linear_token_stats(
     asked = (need_mean_logits, need_log_sum_sq_probs)
     specs = token_outputs(opts, needs, expected_grads, *asked, *inputs, labels)
     device, kept_logits = hidden.device, allocate(specs[-1:], hidden.device)[0]
-    made = components(needs, expected_grads)
+    made = components(needs, expected_grads, hidden.dtype)
     head, rows, backend, shard = linear_call(opts, *inputs, labels, KeptLogits.of(kept_logits, "store"), needs)
     plan = make_plan(opts, backend, shard, rows, head, needs=GradNeeds(*needs) if made else GradNeeds(),
                      components=len(made), epilogue_stats=False)
-    unit = component_weight(rows.count, hidden.dtype, vocab_side=any(needs[i] for i in VOCAB_INPUTS))
+    unit = component_weight(rows.count, hidden.dtype)
     out = run_chunks(plan, head, rows, TokenStep(plan, device, need_argmax=True, need_mean_logit=asked[0],
                                                  need_log_sum_sq=asked[1], components=made, logprob_weight=unit))
     step = out.step
