@@ -257,8 +257,9 @@ def linear_divergence_backward(
     with the per-row weights."""
     g = torch.where(selected, grad_divergence.float(), 0.0)
     out = [_absent(student_hidden.device) for _ in range(3)]
+    # (outputs contiguous, as the fake implementation gives them: empty_like would keep a transposed input's strides)
     if needs[0]:
-        out[0] = torch.mul(d_hidden, g[:, None], out=torch.empty_like(student_hidden))
+        out[0] = torch.mul(d_hidden, g[:, None], out=_contiguous_like(student_hidden))
     if needs[1] or needs[2]:
         positions = selected.nonzero().view(-1)
         weights = g.index_select(0, positions)
@@ -276,10 +277,14 @@ def linear_divergence_backward(
             factor = 1.0
         # (rounded once into the input's dtype: no fp32 V x H temporary beside the saved accumulator)
         if needs[1]:
-            out[1] = torch.mul(d_weight, factor, out=torch.empty_like(student_weight))
+            out[1] = torch.mul(d_weight, factor, out=_contiguous_like(student_weight))
         if needs[2]:
-            out[2] = torch.mul(d_bias, factor, out=torch.empty_like(student_bias))
+            out[2] = torch.mul(d_bias, factor, out=_contiguous_like(student_bias))
     return tuple(out)
+
+
+def _contiguous_like(x: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @linear_divergence_backward.register_fake
@@ -428,8 +433,9 @@ def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hid
     Args:
         student_hidden (..., H_s), student_weight (V, H_s), teacher_hidden (..., H_t), teacher_weight (V, H_t):
             the two heads' inputs (already shifted); hidden sizes may differ, vocabularies match.
-        labels: positions whose label is ``ignore_index`` are left out (0, no gradient); or ``mask`` (bool,
-            True where the divergence counts); neither: every position.
+        labels: positions whose label is ``ignore_index`` are left out (0, no gradient), every other position
+            counts (the divergence compares whole distributions: a label's value is never read as a class, so
+            none is out of range); or ``mask`` (bool, True where the divergence counts); neither: every position.
         kind: "forward_kl" (KL(teacher || student)), "reverse_kl" (KL(student || teacher)) or "jsd" (the
             generalized Jensen-Shannon divergence with the teacher's mixture weight ``beta``, 0.5 by default;
             beta with another kind is an error).

@@ -314,6 +314,24 @@ def test_compiles_fullgraph_and_matches_eager(reduction, head):
     assert (w0 is None) == (head == "frozen") and (w0 is None or rel_err(w0, w1) <= 1e-6)
 
 
+def test_compiled_backward_of_transposed_inputs():
+    """A student's hidden states and weight with transposed strides (dense, not contiguous): the backward operator's
+    outputs are contiguous, as its fake implementation says (Inductor asserts the strides it was promised)."""
+    sh, sw, sb, th, tw, tb, labels = make()
+    h = sh.detach().t().contiguous().t().requires_grad_(True)
+    w = sw.detach().t().contiguous().t().requires_grad_(True)
+    assert not h.is_contiguous() and not w.is_contiguous()
+    a = torch.randn(N)
+
+    def total(h, w):
+        return (fused_divergence(h, w, th, tw, labels, kind="jsd", reduction="none") * a).sum()
+
+    torch.compile(total, fullgraph=True)(h, w).backward()
+    h0, w0 = sh.detach().clone().requires_grad_(True), sw.detach().clone().requires_grad_(True)
+    total(h0, w0).backward()
+    assert rel_err(h.grad, h0.grad) <= 1e-6 and rel_err(w.grad, w0.grad) <= 1e-6
+
+
 @pytest.mark.parametrize("needs", [[True, True, True], [True, False, False], [False, True, False]])
 def test_operator_passes_opcheck(needs):
     sh, sw, sb, th, tw, tb, labels = make()
