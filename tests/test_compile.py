@@ -244,9 +244,10 @@ def test_every_token_stats_output_is_right_under_compile():
 
 
 def test_changing_float_options_and_a_grad_scaler_compile_fullgraph():
-    """A temperature / z-loss schedule or a Python-float scaling that changes between steps (torch.compile makes
-    the float symbolic on its second value) and a GradScaler's scale (read as its attributes, before and after its
-    first scale()) compile with fullgraph=True and give eager's numbers."""
+    """A temperature / z-loss schedule or a Python-float scaling that changes between steps (each value compiles
+    anew: torch.compile specializes a custom operator's float arguments; README, torch.compile) and a GradScaler's
+    scale (read as its attributes, before and after its first scale()) compile with fullgraph=True and give eager's
+    numbers."""
     hidden = torch.randn(N, H, requires_grad=True)
     weight = torch.randn(V, H, requires_grad=True)
     (x, y), = _batches(1)
