@@ -1,6 +1,6 @@
 """LoRA fine-tuning with the fused LM loss beside the same fine-tuning unpatched: loss curves and memory.
 
-    python examples/lora_finetune.py                      # tiny random Llama, built-in text, ~1 min on CPU
+    python examples/lora_finetune.py                      # tiny random Llama, built-in text, 1-2 min on CPU
     python examples/lora_finetune.py --no-lora-lm-head    # LoRA on attention + MLP only (lm_head frozen)
     python examples/lora_finetune.py --model ./my-hf-dir  # a local Hugging Face causal LM and its tokenizer
 

@@ -11,9 +11,9 @@
 from .backends import use_backend
 from .divergence import FusedDivergence, fused_divergence
 from .integrations import patch, unpatch
-from .loss import FusedLMLoss, fused_linear_cross_entropy
+from .loss import FusedLMLoss, LossOutput, fused_linear_cross_entropy
 from .per_token import TokenStats, token_stats
 
-__all__ = ["FusedDivergence", "FusedLMLoss", "TokenStats", "fused_divergence", "fused_linear_cross_entropy", "patch",
-           "token_stats", "unpatch", "use_backend"]
+__all__ = ["FusedDivergence", "FusedLMLoss", "LossOutput", "TokenStats", "fused_divergence",
+           "fused_linear_cross_entropy", "patch", "token_stats", "unpatch", "use_backend"]
 __version__ = "0.1.0"

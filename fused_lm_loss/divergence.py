@@ -435,14 +435,19 @@ def fused_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hid
             the two heads' inputs (already shifted); hidden sizes may differ, vocabularies match.
         labels: positions whose label is ``ignore_index`` are left out (0, no gradient), every other position
             counts (the divergence compares whole distributions: a label's value is never read as a class, so
-            none is out of range); or ``mask`` (bool, True where the divergence counts); neither: every position.
+            none is out of range); or ``mask`` (bool, shaped like the positions, True where the divergence
+            counts); neither: every position.
+        student_bias, teacher_bias: each head's (V,) bias, or None.
         kind: "forward_kl" (KL(teacher || student)), "reverse_kl" (KL(student || teacher)) or "jsd" (the
             generalized Jensen-Shannon divergence with the teacher's mixture weight ``beta``, 0.5 by default;
             beta with another kind is an error).
         temperature: divides both sides' logits; each side's ``logit_scale`` / ``softcap`` are its model's.
-        reduction: "mean" over the selected positions, "sum", or "none" (shaped like the positions).
-        chunk_size: at most this many rows per chunk (default: by memory: both fp32 logits chunks within 240 MiB,
-            plus, with a trainable head, the returned dW's bytes).
+        ignore_index: the label of the positions left out (with ``labels``).
+        reduction: "mean" over the selected positions (NaN when none is selected, as F.cross_entropy's mean),
+            "sum", or "none" (shaped like the positions).
+        chunk_size: at most this many rows per chunk (default: by memory: both fp32 logits chunks within 960 MiB,
+            four times the loss's budget, or, with a trainable head, the loss's 240 MiB plus the returned dW's bytes
+            where that is more).
         return_entropy: also return the student's per-token entropy (detached): ``DivergenceOutput``.
 
     Example::
@@ -472,8 +477,10 @@ class FusedDivergence(nn.Module):
         self.return_entropy = _check_flag("return_entropy", options.pop("return_entropy", False))
         self.options = DivergenceOptions(**options)
 
-    def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *,
-                student_bias=None, teacher_bias=None, mask=None):
+    def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+                labels: Tensor | None = None, *, student_bias: Tensor | None = None,
+                teacher_bias: Tensor | None = None, mask: Tensor | None = None) -> Tensor | DivergenceOutput:
+        """As ``fused_divergence``'s arguments of the same names."""
         return divergence_with(self.options, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
                                student_bias=student_bias, teacher_bias=teacher_bias, mask=mask,
                                return_entropy=self.return_entropy)

@@ -27,7 +27,7 @@ def lm_loss(
     num_items_in_batch: Any = None,
     scaling: float | torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | LossOutput:
     """The loss of ``FusedLMLoss(**opts)(hidden, weight, labels, bias, ...)``: check, autocast, run the op."""
     tensors, needs = linear_inputs(hidden, weight, labels, bias, low_rank)
     num_items = num_items_tensor(num_items_in_batch, opts)
@@ -76,7 +76,7 @@ def fused_linear_cross_entropy(
     scaling: float | torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: Any,
-) -> torch.Tensor:
+) -> torch.Tensor | LossOutput:
     """Functional form of :class:`FusedLMLoss`; ``options`` are its constructor arguments.
 
     Example::
@@ -138,7 +138,8 @@ class FusedLMLoss(nn.Module):
         chunk_size: at most this many token rows per chunk (chunks are made equal). None: the chunk takes at
             most 240 MiB, plus, with an fp32 dW accumulator for a bf16/fp16 weight, the accumulator's memory
             (one chunk, which needs none) or the returned dW's (several chunks; dW is allocated after them).
-        accum_dtype: dtype of the lm_head weight-gradient accumulator; None = the weight's dtype.
+        accum_dtype: dtype the gradients are kept in until backward (the dW accumulator, dX, db); None = the
+            inputs' dtypes.
         logits_dtype: None (logits in the matmul dtype) or torch.float32 (bf16/fp16 inputs, fp32 logits:
             more exact gradients, one extra buffer).
         grad_scaler: a ``torch.amp.GradScaler`` (or anything with ``get_scale()``); its scale is read once
@@ -166,9 +167,13 @@ class FusedLMLoss(nn.Module):
 
     Call: ``loss_fn(hidden, weight, labels, bias=None, *, num_items_in_batch=None, scaling=None, low_rank=None)``
     with hidden (..., H), weight (V, H), labels shaped like hidden.shape[:-1] (already shifted).
+    ``num_items_in_batch`` (a number or a tensor, as transformers passes it) divides the summed loss instead of
+    the count of kept tokens: reduction="mean" only, and not with class_weight (use "sum" and divide).
     ``scaling`` overrides the grad_scaler's scale for this call. ``low_rank=(u, B)`` with u (..., r) and
     B (V, r) adds u @ B.T to the logits: a LoRA adapter on lm_head (u = s * dropout(h) @ A.T, B = lora_B).
-    Gradients are computed during forward; backward only rescales them.
+    Returns the loss, or a ``LossOutput`` with return_z_loss / return_token_accuracy.
+    For "mean" / "sum" the gradients are computed during forward and backward only rescales them;
+    reduction="none" recomputes the logits in backward (see keep_logits).
     For logits that already exist (transformers' ``loss_function(logits, labels, vocab_size)``), patch the
     model instead (``fused_lm_loss.patch``), or call ``integrations.causal_lm_loss``.
 
@@ -241,7 +246,7 @@ class FusedLMLoss(nn.Module):
         num_items_in_batch: Any = None,
         scaling: float | torch.Tensor | None = None,
         low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | LossOutput:
         if not isinstance(labels, torch.Tensor) and isinstance(weight, torch.Tensor) and not weight.is_floating_point():
             raise TypeError(
                 "FusedLMLoss is called as loss_fn(hidden, weight, labels); this looks like transformers' "

@@ -101,8 +101,10 @@ def token_stats(
 
     Example::
 
-        out = token_stats(hidden, model.lm_head.weight, labels, temperature=0.7)
-        loss = -(advantages * out.logprobs).sum() / mask.sum() - 0.01 * out.entropy.mean()
+        out = token_stats(hidden, model.lm_head.weight, labels, temperature=0.7,
+                          expected_grads="logprobs_and_entropy")
+        n = (labels != -100).sum()                         # ignored positions give 0: divide by the kept ones
+        loss = -(advantages * out.logprobs).sum() / n - 0.01 * out.entropy.sum() / n
         loss.backward()
     """
     opts = LossOptions(ignore_index=ignore_index, temperature=temperature, logit_scale=logit_scale, softcap=softcap,

@@ -72,7 +72,8 @@ def patch(model: nn.Module, loss_fn: FusedLMLoss | None = None, *, grad_scaler: 
         import fused_lm_loss
         model = AutoModelForCausalLM.from_pretrained("...")
         model = fused_lm_loss.patch(model)
-        loss = model(input_ids=ids, labels=ids).loss      # fused; outputs.logits is None
+        model.train()                                      # (from_pretrained returns the model in eval mode)
+        loss = model(input_ids=ids, labels=ids).loss      # fused in training mode; outputs.logits is None
         fused_lm_loss.unpatch(model)                       # back to the original forward
     """
     target = _causal_lm(model)
