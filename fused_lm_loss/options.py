@@ -155,8 +155,9 @@ CONFLICTS: dict[tuple[str, str], str] = {
 # What the fused computations cannot honour, per way of calling: option -> why. ``check_supported`` raises for any
 # of these that is set. Options not listed are honoured; a few do not apply to a call and have nothing to change
 # there (``logits_dtype``, ``accum_dtype`` and ``keep_logits`` on logits that already exist: no matmul, no dW;
-# ``grad_scaler`` for the per-token outputs, whose fp16 gradients are formed in backward from the scaled grad_output,
-# or in forward at weight -1, well inside fp16's range: token_ops.components).
+# ``grad_scaler`` for the per-token outputs and TRL's distillation divergence, whose gradients backward rescales
+# by the grad_output it receives, the scaler's scale included; ``logits_dtype`` for the divergence, whose logits
+# are fp32 always).
 _TOKEN_STATS = {
     "reduction": "the per-token outputs are not reduced (reduce them yourself)",
     "label_smoothing": "the per-token outputs are log-probabilities and entropy, not a smoothed loss",
@@ -191,6 +192,16 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "z_loss": "TRL's loss is made of per-token log-probabilities, which carry no z-loss",
         "ignore_index": "TRL marks ignored positions with -100",
         "temperature": "TRL passes its own temperature (set it in TRL's config)",
+    },
+    "trl_distillation": {  # TRL's distillation trainer on a patched student: the per-token divergence
+        **{name: why for name, why in _TOKEN_STATS.items() if name != "logits_dtype"},  # (its logits are fp32)
+        "reduction": "TRL reduces the per-token divergence itself",
+        "label_smoothing": "a divergence between two distributions has no label smoothing",
+        "z_loss": "TRL's distillation loss carries no z-loss",
+        "ignore_index": "TRL passes only the positions that count",
+        "temperature": "TRL passes its own temperature (set it in TRL's config)",
+        "accum_dtype": "the divergence keeps its gradients in fp32 until backward",
+        "keep_logits": "the divergence does not keep logits for backward",
     },
 }
 

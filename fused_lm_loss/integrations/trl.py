@@ -23,7 +23,9 @@ backward, where our gradients (made in forward, or recomputed) reach its partiti
 
 The distillation trainer's teacher-student divergence (``trl.trainer.distillation_trainer``'s
 ``ChunkedDivergenceFunction``) is replaced the same way: for a patched student it runs ``fused_divergence`` (the
-student's gradients made in forward, the teacher's matmul once); for any other student TRL's own function.
+student's gradients made in forward, the teacher's matmul once), with the student's FusedLMLoss ``chunk_size``;
+what the divergence cannot honour raises (``options.UNSUPPORTED["trl_distillation"]``); for any other student
+TRL's own function.
 
 TRL 0.x has no fused head: its SFTTrainer computes metrics from ``outputs.logits``, which a patched model does
 not make in training; ``check_caller`` raises a clear error there instead of TRL's ``AttributeError``.
@@ -169,12 +171,17 @@ class FusedDivergenceFunction:
         student = _owner(student_weight)
         if student is None:
             return _trl_divergence.apply(*args)
+        # the student's FusedLMLoss: its chunk_size applies; what the divergence cannot honour raises
+        loss_opts = _patched_models[student](student)
+        check_supported(loss_opts, "trl_distillation", "the patched student's FusedLMLoss, under TRL's distillation "
+                        "trainer")
         deepspeed_integration.register_partitioned_head(student, student.get_output_embeddings())
         opts = DivergenceOptions.from_beta(
             float(beta), temperature=float(temperature), student_logit_scale=float(student_logit_scale),
             student_softcap=None if student_softcap is None else float(student_softcap),
             teacher_logit_scale=float(teacher_logit_scale),
             teacher_softcap=None if teacher_softcap is None else float(teacher_softcap), reduction="none",
+            chunk_size=loss_opts.chunk_size,
         )
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 

@@ -493,6 +493,44 @@ def test_distillation_divergence_matches_trls(monkeypatch, beta, head):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("options", [
+    dict(label_smoothing=0.1), dict(z_loss=1e-4), dict(temperature=0.5), dict(ignore_index=-1),
+    dict(reduction="sum"), dict(accum_dtype=None), dict(keep_logits=True),
+], ids=lambda o: next(iter(o)))
+def test_every_option_the_distillation_divergence_cannot_honour_raises(options):
+    """A patched student's FusedLMLoss options reach TRL's distillation call: what the divergence cannot honour
+    raises there, naming it (it was silently dropped)."""
+    import trl.trainer.distillation_trainer as distillation
+
+    student = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(**options))
+    with pytest.raises(ValueError, match=next(iter(options))):
+        distillation.ChunkedDivergenceFunction.apply(torch.randn(4, 32), student.get_output_embeddings().weight,
+                                                     None, torch.randn(4, 48), torch.randn(VOCAB, 48), None, 0.5)
+
+
+def test_the_students_chunk_size_reaches_the_distillation_divergence(monkeypatch):
+    """The patched student's chunk_size (a memory cap) sizes the divergence's chunks; the numbers stay TRL's."""
+    import trl.trainer.distillation_trainer as distillation
+
+    seen = []
+    divergence_with = trl_integration.divergence_with
+    monkeypatch.setattr(trl_integration, "divergence_with",
+                        lambda opts, *a, **k: seen.append(opts.chunk_size) or divergence_with(opts, *a, **k))
+    student = fused_lm_loss.patch(make_model("llama"), fused_lm_loss.FusedLMLoss(chunk_size=3))
+    sw = student.get_output_embeddings().weight
+    hidden, teacher_hidden, teacher_weight = torch.randn(10, 32), torch.randn(10, 48), torch.randn(VOCAB, 48) / 4
+    results = []
+    for fn in (trl_integration._trl_divergence, distillation.ChunkedDivergenceFunction):
+        h = hidden.clone().requires_grad_(True)
+        sw.grad = None
+        div, _ = fn.apply(h, sw, None, teacher_hidden, teacher_weight, None, 0.5, 0.8)
+        div.mean().backward()
+        results.append((div.detach(), h.grad, sw.grad.clone()))
+    assert seen == [3]
+    for got, want in zip(results[1], results[0]):
+        assert rel_err(got, want) <= 1e-5
+
+
 def _distill(tmp_path, *, impl: str, beta: float, monkeypatch=None):
     """2 steps of TRL's DistillationTrainer (on-policy: the student generates), fp32, SGD; impl "trl" or "patched"
     (the student patched). Returns (log history, final parameters, our divergence calls)."""
