@@ -132,6 +132,7 @@ class FusedLogProbs:
     def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
         model = _owner(weight)
         if model is None:
+            _say_unpatched_beside_patched()
             return _trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
                                        outputs)
         reason = _cannot_serve(outputs)
@@ -198,6 +199,17 @@ class FusedDivergenceFunction:
             out = divergence_with(opts, student_hidden, student_weight, teacher_hidden, teacher_weight,
                                   student_bias=student_bias, teacher_bias=teacher_bias, return_entropy=True)
         return out.divergence, out.entropy
+
+
+def _say_unpatched_beside_patched() -> None:
+    """TRL's head serves a model that is not patched while a patched one exists (a reference model the trainer built
+    itself): warn once per trainer, since the two then round differently (e.g. DPO's step-0 reward accuracy)."""
+    if len(_patched_models):
+        trainer = _calling_trainer()
+        _warn_once((trainer, "unpatched"), f"fused_lm_loss ({trainer}): TRL's fused LM head serves a model that is "
+                   "not patched (e.g. the reference model the trainer built) beside a patched one: that model runs "
+                   "TRL's own kernels, which round differently; patch it too (fused_lm_loss.patch(trainer.ref_model)) "
+                   "for one kernel on both sides")
 
 
 def _expected_grads(outputs) -> str:

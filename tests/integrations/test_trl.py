@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -179,13 +180,19 @@ def test_unpatched_models_keep_trls_own_head(monkeypatch):
     calls = []
     original = trl_integration.token_stats_with
     monkeypatch.setattr(trl_integration, "token_stats_with", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(trl_integration, "_warned", set())
     hidden = torch.randn(10, 32)
     targets = torch.randint(0, VOCAB, (10,))
     for model, expected_calls in ((other, 0), (patched, 1)):
         w = model.get_output_embeddings().weight
-        out = _ChunkedLogProbFunction.apply(hidden, w, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "entropy"))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = _ChunkedLogProbFunction.apply(hidden, w, None, targets, 1.0, 32768, None, 1.0,
+                                                ("log_probs", "entropy"))
         want = torch.log_softmax(hidden @ w.T, -1).gather(1, targets[:, None]).squeeze(1)
         assert rel_err(out[0], want) <= 1e-6 and len(calls) == expected_calls
+        # the unpatched one beside a patched one (a reference model the trainer built) is said, once
+        assert [str(w.message) for w in said if "not patched" in str(w.message)] != [] if model is other else not said
 
 
 def test_a_trl_whose_trainers_do_not_import_is_left_alone_with_a_warning(monkeypatch):
