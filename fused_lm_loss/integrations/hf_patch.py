@@ -352,9 +352,10 @@ def _warn_training_without_labels(model: nn.Module) -> None:
         state.warned_without_labels = True
         warnings.warn(
             f"fused_lm_loss: the patched {type(model).__name__} was called in training mode without labels, so it "
-            "computed its logits and no fused loss. If a trainer computes the loss from them (Trainer with "
-            "label_smoothing_factor > 0 withholds the labels), set label_smoothing_factor=0 and patch with "
-            "FusedLMLoss(label_smoothing=...) instead",
+            "computed its logits and no fused loss: the caller computes its loss from the full logits. With "
+            "Trainer's label_smoothing_factor > 0 (which withholds the labels), set label_smoothing_factor=0 and "
+            "patch with FusedLMLoss(label_smoothing=...) instead; a trainer that needs the logits themselves (e.g. "
+            "TRL's experimental GKD) runs unfused",
             stacklevel=3,
         )
 
