@@ -2,8 +2,9 @@
 d divergence / d (the student's raw logits); the PyTorch twin is ``torch_backend.divergence_rows``.
 
 For row i of two (rows, V) chunks holding the whole vocabulary, with z_s, z_t the fp32 loss-space logits of each
-side's transform (kernels/transform.py), p_s = softmax(z_s), p_t = softmax(z_t), d_j = z_t,j - z_s,j and
-D = lse_t - lse_s (so that log p_t,j - log p_s,j = d_j - D)::
+side's transform (kernels/transform.py), p_s = softmax(z_s), p_t = softmax(z_t), d_j = (z_t,j - r_t) - (z_s,j - r_s)
+and D = (lse_t - r_t) - (lse_s - r_s) (so that log p_t,j - log p_s,j = d_j - D), where r_s, r_t are each side's
+maximum over the row's first block (0 if it is all -inf)::
 
     beta = 0:  KL(p_t || p_s) = E_pt[d] - D                         d/dz_s,j = p_s,j - p_t,j
     beta = 1:  KL(p_s || p_t) = D - E_ps[d]                         d/dz_s,j = p_s,j (E_ps[d] - d_j)
@@ -12,7 +13,9 @@ D = lse_t - lse_s (so that log p_t,j - log p_s,j = d_j - D)::
 
 (the KL gradient d/dz_s = p_s (log p_s - log p_t - KL) is p_s (E_ps[d] - d_j) since KL = D - E_ps[d]). The
 expectations are differences of logits, so a divergence between close distributions is not the small difference
-of two large log-probabilities: E_pt[d] and D are both of the size of d, not of z.
+of two large log-probabilities: E_pt[d] and D are both of the size of d, not of z. The references keep d of the
+size of the logits' spread within a row: two models' logits often differ by an offset c, and z_t - z_s would round
+every d by ulp(c) (a KL of 5e-3 was 5% off at c = 3000, 7e-4 at c = 30; the references take it to fp32 round-off).
 
 The JSD is taken per column through q_j = log((1 - beta) p_s,j / (beta p_t,j)) = (D - d_j) + log(1 - beta) -
 log(beta) and sp(q) = log(1 + e^q) = max(q, 0) + log(1 + e^-|q|)::
@@ -70,15 +73,16 @@ FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 
 @triton.jit
 def _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_cap, t_factor, t_u_per_x, t_cap,
-                  S_HAS_SOFTCAP: tl.constexpr, S_HAS_FACTOR: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
-                  T_HAS_FACTOR: tl.constexpr):
-    """(z_s, z_t, d, t) of one block of a row: the loss-space logits (-inf past the end of the row), d = z_t - z_s
-    (of the logits read as 0 past the end: finite there, no -inf - -inf) and the student's t for ``chain_rule``."""
+                  ref_s, ref_t, S_HAS_SOFTCAP: tl.constexpr, S_HAS_FACTOR: tl.constexpr,
+                  T_HAS_SOFTCAP: tl.constexpr, T_HAS_FACTOR: tl.constexpr):
+    """(z_s, z_t, d, t) of one block of a row: the loss-space logits (-inf past the end of the row), d = (z_t - r_t)
+    - (z_s - r_s) with each side's reference r (module docstring; of the logits read as 0 past the end: finite
+    there, no -inf - -inf) and the student's t for ``chain_rule``."""
     x_s = tl.load(student_row + cols, mask=mask, other=0.0).to(tl.float32)
     x_t = tl.load(teacher_row + cols, mask=mask, other=0.0).to(tl.float32)
     z_s, t = loss_space(x_s, s_factor, s_u_per_x, s_cap, S_HAS_SOFTCAP, S_HAS_FACTOR)
     z_t, _ = loss_space(x_t, t_factor, t_u_per_x, t_cap, T_HAS_SOFTCAP, T_HAS_FACTOR)
-    d = z_t - z_s
+    d = (z_t - ref_t) - (z_s - ref_s)
     return tl.where(mask, z_s, float("-inf")), tl.where(mask, z_t, float("-inf")), d, t
 
 
@@ -152,6 +156,15 @@ def _divergence_kernel(
     teacher_row = teacher_ptr + row * teacher_row_stride
     offsets = tl.arange(0, BLOCK_V)
 
+    # each side's logit reference r: the first block's maximum (0 where that block is all -inf)
+    z_s, z_t, _, _ = _block_logits(student_row, teacher_row, offsets, offsets < n_cols, s_factor, s_u_per_x, s_cap,
+                                   t_factor, t_u_per_x, t_cap, 0.0, 0.0, S_HAS_SOFTCAP, S_HAS_FACTOR, T_HAS_SOFTCAP,
+                                   T_HAS_FACTOR)
+    ref_s_logit = tl.max(z_s, axis=0)
+    ref_s_logit = tl.where(ref_s_logit == float("-inf"), 0.0, ref_s_logit)
+    ref_t_logit = tl.max(z_t, axis=0)
+    ref_t_logit = tl.where(ref_t_logit == float("-inf"), 0.0, ref_t_logit)
+
     # ---- pass 1: (m, s) of both sides, the KL's cross sum, the entropy's w ----
     max_s = float("-inf")
     ref_s = 0.0  # base-2 reference of the student's sums: fl(m_s LOG2E), 0 while all -inf
@@ -167,7 +180,8 @@ def _divergence_kernel(
         cols = start + offsets
         mask = cols < n_cols
         z_s, z_t, d, _ = _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_cap, t_factor,
-                                       t_u_per_x, t_cap, S_HAS_SOFTCAP, S_HAS_FACTOR, T_HAS_SOFTCAP, T_HAS_FACTOR)
+                                       t_u_per_x, t_cap, ref_s_logit, ref_t_logit, S_HAS_SOFTCAP, S_HAS_FACTOR,
+                                       T_HAS_SOFTCAP, T_HAS_FACTOR)
         max_s, ref_s, offset_s, e_s, exponent_s, delta_s = _online_step(z_s, max_s, ref_s, offset_s)
         max_t, ref_t, offset_t, e_t, _, delta_t = _online_step(z_t, max_t, ref_t, offset_t)
         rescale_s = tl.exp2(delta_s)
@@ -186,7 +200,8 @@ def _divergence_kernel(
     residual_t = residual(max_t, ref_t, offset_t)
     log_sumexp_s = tl.log(sumexp_s) - residual_s * LN2
     log_sumexp_t = tl.log(sumexp_t) - residual_t * LN2
-    lse_gap = (max_t - max_s) + (log_sumexp_t - log_sumexp_s)  # D = lse_t - lse_s
+    # D = lse_t - lse_s relative to the references, as d
+    lse_gap = ((max_t - ref_t_logit) - (max_s - ref_s_logit)) + (log_sumexp_t - log_sumexp_s)
     if NEED_ENTROPY:  # log s - w / s, both relative to m: the 2^-r of s and w cancel in w / s
         tl.store(entropy_ptr + row, log_sumexp_s - ((wsum_s - residual_s * sumexp_s) * LN2) / sumexp_s)
 
@@ -206,8 +221,8 @@ def _divergence_kernel(
             cols = start + offsets
             mask = cols < n_cols
             z_s, z_t, d, _ = _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_cap,
-                                           t_factor, t_u_per_x, t_cap, S_HAS_SOFTCAP, S_HAS_FACTOR, T_HAS_SOFTCAP,
-                                           T_HAS_FACTOR)
+                                           t_factor, t_u_per_x, t_cap, ref_s_logit, ref_t_logit, S_HAS_SOFTCAP,
+                                           S_HAS_FACTOR, T_HAS_SOFTCAP, T_HAS_FACTOR)
             _, p_s = _log_probs(z_s, max_s, log_sumexp_s)
             _, p_t = _log_probs(z_t, max_t, log_sumexp_t)
             u_t, u_s = _jsd_terms(d, q_offset, log_beta, log_one_minus_beta)
@@ -228,8 +243,8 @@ def _divergence_kernel(
             mask = cols < n_cols
             # both sides of the block are read before its gradient is written (grad_out may be the student's logits)
             z_s, z_t, d, t = _block_logits(student_row, teacher_row, cols, mask, s_factor, s_u_per_x, s_cap,
-                                           t_factor, t_u_per_x, t_cap, S_HAS_SOFTCAP, S_HAS_FACTOR, T_HAS_SOFTCAP,
-                                           T_HAS_FACTOR)
+                                           t_factor, t_u_per_x, t_cap, ref_s_logit, ref_t_logit, S_HAS_SOFTCAP,
+                                           S_HAS_FACTOR, T_HAS_SOFTCAP, T_HAS_FACTOR)
             _, p_s = _log_probs(z_s, max_s, log_sumexp_s)
             if MODE == 0:
                 _, p_t = _log_probs(z_t, max_t, log_sumexp_t)
