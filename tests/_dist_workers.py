@@ -495,6 +495,57 @@ def _fsdp_step(fully_shard: Callable, scenario: DataParallelScenario, rank: int,
     return out
 
 
+def patched_fsdp2_worker(rank: int, world: int) -> dict:
+    """patch() and FSDP2's fully_shard in either order, on a Llama and on a peft LoRA model: each call's loss and
+    whether the fused loss ran, beside the unpatched model's (tests/integrations/test_transformers.py)."""
+    import fused_lm_loss
+    from fused_lm_loss.integrations import hf_forward
+
+    fully_shard = _fully_shard()
+    if fully_shard is None:
+        return {"skip": "fully_shard is not available in this torch"}
+    calls = []
+    original = hf_forward.lm_loss
+    hf_forward.lm_loss = lambda *a, **k: calls.append(1) or original(*a, **k)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+
+    def step(model) -> dict:
+        model.eval()  # (an attribute assignment on the swapped class, under FSDP2's subclass)
+        model.train()
+        before = len(calls)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {"loss": loss.detach(), "fused": len(calls) - before}
+
+    def lora(model):
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    out: dict[str, Any] = {"unpatched": step(_sharded(fully_shard, _tiny_llama()))}
+    model = fused_lm_loss.patch(_tiny_llama())  # patch first: fully_shard then subclasses the swapped class
+    fully_shard(model)
+    out["patch_then_shard"] = step(model)
+    try:
+        fused_lm_loss.unpatch(model)
+        out["unpatch_error"] = None
+    except RuntimeError as error:
+        out["unpatch_error"] = str(error)
+    out["shard_then_patch"] = step(fused_lm_loss.patch(_sharded(fully_shard, _tiny_llama())))
+    if importlib.util.find_spec("peft") is not None:
+        out["lora_unpatched"] = step(_sharded(fully_shard, lora(_tiny_llama())))
+        out["lora_patched"] = step(fused_lm_loss.patch(_sharded(fully_shard, lora(_tiny_llama()))))
+        assigned = _sharded(fully_shard, lora(_tiny_llama()))
+        assigned.loss_function = fused_lm_loss.FusedLMLoss()
+        out["lora_assigned"] = step(assigned)
+    return out
+
+
+def _sharded(fully_shard: Callable, model: nn.Module) -> nn.Module:
+    fully_shard(model)
+    return model
+
+
 def reference_step(scenario: DataParallelScenario, world: int) -> dict:
     """The single-process float64 step on the concatenated batch (plain PyTorch cross-entropy)."""
     model = TinyLM().double()

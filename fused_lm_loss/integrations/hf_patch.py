@@ -123,6 +123,11 @@ def unpatch(model: nn.Module) -> nn.Module:
             "that wrapper too. Unwrap it first (accelerator.unwrap_model(model, keep_fp32_wrapper=False)), unpatch "
             "before wrapping, or keep the patch"
         )
+    if type(target) is not _swapped_class(state.original_class):
+        raise RuntimeError(
+            f"{type(target).__name__} subclasses the patched class (FSDP2's fully_shard after patch()): unpatching "
+            "would drop that subclass too. Unpatch before fully_shard, or keep the patch"
+        )
     target.__class__ = state.original_class
     del target.__dict__[_STATE_ATTR]
     if state.saved_forward is None:
@@ -239,8 +244,13 @@ def _setattr(self: nn.Module, name: str, value: Any) -> None:
     state = self.__dict__.get(_STATE_ATTR)  # (None on a replica that DataParallel is still filling in)
     if name == "loss_function" and state is not None:
         state.assign(self, value)
-    else:
-        super(type(self), self).__setattr__(name, value)
+    else:  # (past the swapped class itself, not type(self): FSDP2's fully_shard subclasses it after patch())
+        super(_swapped_in(type(self)), self).__setattr__(name, value)
+
+
+def _swapped_in(cls: type) -> type:
+    """The class ``_swapped_class`` made among ``cls`` and its bases."""
+    return next(c for c in cls.__mro__ if c.__dict__.get("__setattr__") is _setattr)
 
 
 def _replicate_for_data_parallel(self: nn.Module) -> nn.Module:

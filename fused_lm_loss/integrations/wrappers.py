@@ -13,7 +13,8 @@ def inner_model(module: nn.Module) -> nn.Module:
     nor deepspeed is imported here.)"""
     while True:
         kind = type(module).__module__
-        if kind.startswith("peft."):
+        # (peft's class may be a base: FSDP2's fully_shard makes a subclass of the wrapper in a torch module)
+        if any(c.__module__.startswith("peft.") for c in type(module).__mro__):
             inner = module.get_base_model() if hasattr(module, "get_base_model") else getattr(module, "model", None)
         elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or (
             type(module).__name__ == "FullyShardedDataParallel" and kind.startswith("torch.distributed.fsdp")

@@ -592,3 +592,25 @@ def test_temperature_on_a_patched_model(family):
 def test_patch_refuses_what_a_model_loss_cannot_return(options):
     with pytest.raises(ValueError, match=next(iter(options))):
         fused_lm_loss.patch(make_model(), FusedLMLoss(**options))
+
+
+def test_patch_and_fsdp2_in_either_order(tmp_path):
+    """FSDP2's fully_shard subclasses the model's class (accelerate shards the root model, after a patch() made
+    before Trainer): attribute assignment (model.train()) recursed, and a sharded peft model was not recognised,
+    so patch() refused it and a loss_function assignment was silently ignored. Each order now runs the fused loss
+    with the unpatched model's loss; unpatch() refuses to drop FSDP2's class. One gloo rank."""
+    from .. import _dist_workers as workers
+
+    out = workers.spawn(workers.patched_fsdp2_worker, 1, tmp_path)[0]
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["unpatched"]["fused"] == 0
+    for name in ("patch_then_shard", "shard_then_patch"):
+        assert out[name]["fused"] == 1, name
+        assert rel_err(out[name]["loss"], out["unpatched"]["loss"]) <= 1e-6, name
+    assert "fully_shard" in out["unpatch_error"]
+    if "lora_patched" in out:
+        assert out["lora_unpatched"]["fused"] == 0
+        for name in ("lora_patched", "lora_assigned"):
+            assert out[name]["fused"] == 1, name
+            assert rel_err(out[name]["loss"], out["lora_unpatched"]["loss"]) <= 1e-6, name
