@@ -112,7 +112,9 @@ def row_losses(
     """Per-row loss and lse of a chunk holding the whole vocabulary (``loss_terms.loss_from_stats``)."""
     stats = row_stats(logits, target, transform=transform, terms=terms)
     weight = terms.class_weight
-    weights = {} if weight is None else dict(target_weight=weight[target], weight_sum=weight.sum())
+    # w_t = 0 for a target on another shard (-1), as the kernel: weight[-1] would be the last class's
+    weights = {} if weight is None else dict(
+        target_weight=torch.where(target >= 0, weight[target.clamp(min=0)], 0.0), weight_sum=weight.sum())
     loss, lse = loss_from_stats(*stats, terms, **weights)
     loss_out.copy_(loss)
     lse_out.copy_(lse)

@@ -108,6 +108,24 @@ def test_row_losses_with_class_weights(dtype, softcap, label_smoothing, z_loss, 
         assert rel_err(got_lse, lse) < 1e-6, impl.__module__
 
 
+def test_row_losses_with_class_weights_and_a_target_elsewhere():
+    """A target of -1 (its class on another vocab shard) has w_t = 0 in both implementations (the PyTorch twin read
+    weight[-1], the last class's): loss = (eps / V)(W lse - sum_j w_j z_j) + z_loss lse^2, in float64."""
+    rows, vocab, eps, z_loss = 6, 300, 0.1, 1e-3
+    logits, target, w = _inputs(rows, vocab, torch.float32)
+    target[[0, 3]] = -1
+    z = logits.double() * LOGIT_SCALE
+    lse = torch.logsumexp(z, 1)
+    w_t = torch.where(target >= 0, w.double()[target.clamp(min=0)], 0.0)
+    z_t = z.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
+    want = (1 - eps) * w_t * (lse - z_t) + eps / vocab * (w.double().sum() * lse - z @ w.double()) + z_loss * lse**2
+    for impl in (row_losses, torch_backend.row_losses):
+        got_loss, got_lse = torch.full((2, rows), float("nan")).unbind(0)
+        impl(logits, target, got_loss, got_lse, transform=LogitTransform(scale=LOGIT_SCALE),
+             terms=LossTerms(label_smoothing=eps, z_loss=z_loss, vocab_size=vocab, class_weight=w))
+        assert rel_err(got_loss, want) < 1e-5, impl.__module__
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.2, 0.0), (0.2, 1e-2)])
