@@ -322,6 +322,10 @@ class _FusedForward:
                 _warn_training_without_labels(model)
             else:
                 trl_integration.check_caller()
+        head = model.get_output_embeddings()
+        # already there, unless peft replaced lm_head after patch() or this is a DataParallel replica, whose lm_head
+        # came with a copy of the original's wrapper (which would run the original's head, on every path)
+        _HeadForward.install(head, state)
         if labels is None:  # eval, or no labels: the model makes its logits and, with labels, its loss of them
             if state.user_loss is None:  # exactly as before patching
                 return self.inner(*args, **kwargs)
@@ -330,8 +334,6 @@ class _FusedForward:
             check_only_options(state.user_loss, model)
         else:
             _check_loss_type(model, state)
-        head = model.get_output_embeddings()
-        _HeadForward.install(head, state)  # already there, unless peft replaced lm_head after patch()
         deepspeed_integration.register_partitioned_head(model, head)  # ZeRO-3: gathered for backward too
         state.call = FusedCall(model, head, state.fused_options, labels, extra)
         try:

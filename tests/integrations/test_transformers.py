@@ -454,6 +454,28 @@ def test_data_parallel_replicas_train_with_their_own_weights(monkeypatch):
     assert_close_grads(got_grads, want_grads)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train_without_labels"])
+def test_data_parallel_replicas_use_their_own_head_off_the_fused_path(monkeypatch, mode):
+    """An eval or label-free forward of a replica (Trainer.evaluate under DataParallel) runs the replica's lm_head,
+    as unpatched: the replica's copy of the original's head wrapper ran the original's head there."""
+    model = make_model()
+    ref = twin(model)
+    fused_lm_loss.patch(model)
+    batch = {k: v for k, v in make_batch().items() if k != "labels"}
+    results = []
+    for m in (model, ref):
+        m.train(mode != "eval")
+        replicas = _replicate(m, monkeypatch)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the patched model says it was called in training without labels)
+            replicas[1].lm_head.weight.mul_(20.0)  # replica 1 must see its own head
+            results.append([r(**batch).logits for r in replicas])
+    (got, want) = results
+    assert not torch.allclose(want[0], want[1])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-6
+
+
 def test_data_parallel_refuses_a_forward_it_cannot_rebind(monkeypatch):
     """A forward wrapped after patch() (accelerate's mixed-precision wrapper) is bound to the original: its replica
     would run the original's modules, so replicating raises, naming DistributedDataParallel."""
