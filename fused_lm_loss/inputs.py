@@ -134,10 +134,18 @@ def is_zero3_partition(t: Any) -> bool:
 
 def check_gathered_for_backward(weight: torch.Tensor) -> None:
     """Backward that recomputes the logits reads the weight saved in forward: a ZeRO-3 parameter re-partitioned
-    meanwhile (DeepSpeed swaps ``param.data``, which no version counter sees) gives a clear error."""
+    meanwhile (DeepSpeed swaps ``param.data``, which no version counter sees) or an FSDP2 weight resharded after
+    forward (its storage freed) gives a clear error."""
     if is_zero3_partition(weight):
         raise RuntimeError("fused_lm_loss: backward recomputes the logits with the lm_head weight, which is a "
                            "DeepSpeed ZeRO-3 partition again (not gathered for backward). " + _ZERO3_HINT)
+    if weight.numel() and weight.untyped_storage().size() == 0:
+        raise RuntimeError(
+            "fused_lm_loss: backward recomputes the logits (reduction='none' or per-token weights) with the lm_head "
+            "weight saved in forward, whose storage has been freed since: FSDP2 resharded lm_head after forward "
+            "(its own FSDP unit, reshard_after_forward=True), and no gradient flows through lm_head's output to "
+            "unshard it again. Keep lm_head in its parent's unit, or fully_shard(lm_head, reshard_after_forward=False)"
+        )
 
 
 def check_low_rank(low_rank: Any, hidden: torch.Tensor, weight: torch.Tensor) -> None:

@@ -532,6 +532,16 @@ def patched_fsdp2_worker(rank: int, world: int) -> dict:
     except RuntimeError as error:
         out["unpatch_error"] = str(error)
     out["shard_then_patch"] = step(fused_lm_loss.patch(_sharded(fully_shard, _tiny_llama())))
+    # lm_head its own unit, resharded after forward; a per-token loss makes backward recompute the logits
+    model = _tiny_llama()
+    fully_shard(model.lm_head)
+    model = fused_lm_loss.patch(_sharded(fully_shard, model), fused_lm_loss.FusedLMLoss(reduction="none"))
+    loss = model(input_ids=ids, labels=ids).loss
+    try:
+        (loss * torch.rand_like(loss)).sum().backward()
+        out["freed_weight_error"] = None
+    except RuntimeError as error:
+        out["freed_weight_error"] = str(error)
     if importlib.util.find_spec("peft") is not None:
         out["lora_unpatched"] = step(_sharded(fully_shard, lora(_tiny_llama())))
         out["lora_patched"] = step(fused_lm_loss.patch(_sharded(fully_shard, lora(_tiny_llama()))))

@@ -620,7 +620,8 @@ def test_patch_and_fsdp2_in_either_order(tmp_path):
     """FSDP2's fully_shard subclasses the model's class (accelerate shards the root model, after a patch() made
     before Trainer): attribute assignment (model.train()) recursed, and a sharded peft model was not recognised,
     so patch() refused it and a loss_function assignment was silently ignored. Each order now runs the fused loss
-    with the unpatched model's loss; unpatch() refuses to drop FSDP2's class. One gloo rank."""
+    with the unpatched model's loss; unpatch() refuses to drop FSDP2's class; a backward that must recompute with
+    a weight FSDP2 freed after forward says so. One gloo rank."""
     from .. import _dist_workers as workers
 
     out = workers.spawn(workers.patched_fsdp2_worker, 1, tmp_path)[0]
@@ -631,6 +632,8 @@ def test_patch_and_fsdp2_in_either_order(tmp_path):
         assert out[name]["fused"] == 1, name
         assert rel_err(out[name]["loss"], out["unpatched"]["loss"]) <= 1e-6, name
     assert "fully_shard" in out["unpatch_error"]
+    # a backward that recomputes with a weight FSDP2 freed after forward: said, naming the fix
+    assert "reshard_after_forward=False" in out["freed_weight_error"]
     if "lora_patched" in out:
         assert out["lora_unpatched"]["fused"] == 0
         for name in ("lora_patched", "lora_assigned"):
