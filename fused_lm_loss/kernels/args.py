@@ -15,36 +15,51 @@ def check_target(target: torch.Tensor, rows: int, device: torch.device, caller: 
         and target.is_contiguous()
         and target.device == device
     ):
-        described = (
-            f"dtype={target.dtype}, shape={tuple(target.shape)}, stride={target.stride()}, device={target.device}"
-            if isinstance(target, torch.Tensor)
-            else type(target).__name__
-        )
-        raise ValueError(
-            f"{caller}: target must be a contiguous 1-d int64 tensor of {rows} rows on {device}, got {described}"
-        )
+        raise ValueError(f"{caller}: target must be a contiguous 1-d int64 tensor of {rows} rows on {device}, "
+                         f"got {_described(target)}")
 
 
 def check_class_weight(class_weight: torch.Tensor | None, n_cols: int, device: torch.device, caller: str) -> None:
     """Class weights, when given, are read by the kernels as a contiguous (V,) fp32 vector on the logits' device."""
-    if class_weight is None:
+    if class_weight is not None:
+        check_vector(class_weight, n_cols, device, caller, "class_weight")
+
+
+def check_vector(t: torch.Tensor | None, length: int, device: torch.device, caller: str, name: str) -> None:
+    """A per-row (lse, row_scale, a loss output) or per-class fp32 vector, which the kernels read or write at
+    ``t + i``: it must be a contiguous (length,) fp32 tensor on the logits' device (None: absent)."""
+    if t is None:
         return
     if not (
-        isinstance(class_weight, torch.Tensor)
-        and class_weight.dtype == torch.float32
-        and class_weight.shape == (n_cols,)
-        and class_weight.is_contiguous()
-        and class_weight.device == device
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.float32
+        and t.shape == (length,)
+        and t.stride() == (1,)
+        and t.device == device
     ):
-        described = (
-            f"dtype={class_weight.dtype}, shape={tuple(class_weight.shape)}, stride={class_weight.stride()}, "
-            f"device={class_weight.device}"
-            if isinstance(class_weight, torch.Tensor)
-            else type(class_weight).__name__
-        )
-        raise ValueError(
-            f"{caller}: class_weight must be a contiguous (V,) = ({n_cols},) fp32 tensor on {device}, got {described}"
-        )
+        raise ValueError(f"{caller}: {name} must be a contiguous ({length},) fp32 tensor on {device}, "
+                         f"got {_described(t)}")
+
+
+def check_like(out: torch.Tensor | None, logits: torch.Tensor, caller: str, name: str) -> None:
+    """An output the kernel writes row by row over the logits' (rows, V): that shape and device, unit column
+    stride (None: absent)."""
+    if out is None:
+        return
+    if not (
+        isinstance(out, torch.Tensor)
+        and out.shape == logits.shape
+        and out.stride(1) == 1
+        and out.device == logits.device
+    ):
+        raise ValueError(f"{caller}: {name} must be a {tuple(logits.shape)} tensor with unit column stride on "
+                         f"{logits.device}, got {_described(out)}")
+
+
+def _described(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"dtype={t.dtype}, shape={tuple(t.shape)}, stride={t.stride()}, device={t.device}"
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..exp_epilogue import ExpStats
 from ..loss_terms import LossTerms
-from .args import check_target
+from .args import check_like, check_target, check_vector
 from .online import LOG2E
 
 
@@ -75,10 +75,15 @@ def grad_from_exp(
     may be ``e`` itself), times ``grad_scale`` (and ``row_scale``)."""
     rows, n_cols = e.shape
     check_target(target, rows, e.device, "grad_from_exp")
+    check_vector(lse, rows, e.device, "grad_from_exp", "lse")
+    check_vector(row_scale, rows, e.device, "grad_from_exp", "row_scale")
+    check_vector(stats.target_logit, rows, e.device, "grad_from_exp", "stats.target_logit")
+    check_like(out, e, "grad_from_exp", "out")
     assert terms.class_weight is None and not terms.smooths, "the exp epilogue serves the plain loss (plan.py)"
+    assert stats.k.shape == (rows, n_cols // stats.tile_n) and stats.k.is_contiguous() and n_cols % stats.tile_n == 0
     if rows == 0:
         return
-    assert e.stride(1) == 1 and out.stride(1) == 1 and stats.k.is_contiguous()
+    assert e.stride(1) == 1
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     _grad_from_exp_kernel[(rows, triton.cdiv(n_cols, block_v))](
         e,

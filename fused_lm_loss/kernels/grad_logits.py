@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..loss_terms import LossTerms
 from ..transform import LogitTransform
-from .args import check_class_weight, check_target
+from .args import check_class_weight, check_like, check_target, check_vector
 from .online import LOG2E
 from .transform import chain_rule, loss_space, transform_scalars
 # token_grad_logits: logits more than 2^64 below the mean logit are raised to it (their p is 0 either way)
@@ -152,9 +152,13 @@ def grad_logits(
     class_weight = terms.class_weight
     check_target(target, rows, logits.device, "grad_logits")
     check_class_weight(class_weight, n_cols, logits.device, "grad_logits")
+    check_vector(lse, rows, logits.device, "grad_logits", "lse")
+    check_vector(row_scale, rows, logits.device, "grad_logits", "row_scale")
+    check_like(out, logits, "grad_logits", "out")
+    check_like(out_lo, logits, "grad_logits", "out_lo")
     if rows == 0:
         return
-    assert logits.stride(1) == 1 and out.stride(1) == 1
+    assert logits.stride(1) == 1
     assert out_lo is None or out_lo.stride() == out.stride()
     block_v = min(triton.next_power_of_2(n_cols), 2048)
     weighted = class_weight is not None

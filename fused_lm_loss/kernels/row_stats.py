@@ -45,7 +45,7 @@ import triton.language as tl
 from ..exp_epilogue import ExpStats
 from ..loss_terms import LossTerms
 from ..transform import LogitTransform
-from .args import check_class_weight, check_target
+from .args import check_class_weight, check_target, check_vector
 from .online import LN2, LOG2E, merge_segments, segment_block
 from .transform import loss_space, transform_scalars
 
@@ -293,6 +293,8 @@ def row_losses(
     rows, n_cols = logits.shape
     check_target(target, rows, logits.device, "row_losses")
     check_class_weight(terms.class_weight, n_cols, logits.device, "row_losses")
+    check_vector(loss_out, rows, logits.device, "row_losses", "loss_out")
+    check_vector(lse_out, rows, logits.device, "row_losses", "lse_out")
     if rows == 0:
         return
     n_segments = triton.cdiv(n_cols, SEGMENT_COLS)
@@ -364,9 +366,12 @@ def merge_exp_stats(stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tens
     per-(row, tile) k and sums (exp_epilogue.py): the tiles merged at the row's largest k, each other tile's sum moved
     by an exact power of two, in one launch (no (rows, tiles) temporary)."""
     rows, n_tiles = stats.k.shape
+    device = stats.k.device
     assert terms.class_weight is None and not terms.smooths, "the exp epilogue serves the plain loss (plan.py)"
-    assert stats.k.is_contiguous() and stats.sum_exp.is_contiguous() and stats.target_logit.is_contiguous()
-    assert loss_out.stride(0) == 1 and lse_out.stride(0) == 1
+    assert stats.k.is_contiguous() and stats.sum_exp.shape == stats.k.shape and stats.sum_exp.is_contiguous()
+    check_vector(stats.target_logit, rows, device, "merge_exp_stats", "stats.target_logit")
+    check_vector(loss_out, rows, device, "merge_exp_stats", "loss_out")
+    check_vector(lse_out, rows, device, "merge_exp_stats", "lse_out")
     if rows == 0:
         return
     # a few rows per program: a chunk's rows x ~1000 tiles, read along the tiles (a row's k are contiguous)

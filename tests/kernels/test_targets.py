@@ -1,5 +1,6 @@
 """The launchers refuse targets that their kernels would misread (they load int64 from a contiguous (rows,)
-buffer): another dtype, another shape or length, a non-contiguous view. Checked before any launch."""
+buffer): another dtype, another shape or length, a non-contiguous view. Checked before any launch. So are the
+per-row fp32 vectors (lse, row_scale, loss outputs) and the row-by-row outputs a kernel reads or writes."""
 import pytest
 import torch
 
@@ -66,3 +67,36 @@ def test_launchers_take_good_targets():
     target = torch.randint(0, VOCAB, (ROWS,))
     for _, launch in _launchers():
         launch(target)
+
+
+def _per_row_cases():
+    good = torch.zeros(2 * ROWS)
+    return {"strided": good[::2], "too short": good[: ROWS - 1], "fp64": good[:ROWS].double(), "2-d": good.view(2, -1)}
+
+
+@pytest.mark.parametrize("case", list(_per_row_cases()))
+def test_launchers_refuse_bad_per_row_vectors_and_outputs(case):
+    """A strided or short lse / row_scale / loss output was read or written as if contiguous and long enough: a
+    wrong gradient silently, or an out-of-bounds write; each launcher now raises, naming the argument."""
+    from fused_lm_loss.exp_epilogue import ExpStats
+    from fused_lm_loss.kernels import grad_from_exp, merge_exp_stats
+
+    bad = _per_row_cases()[case]
+    logits, target = torch.randn(ROWS, VOCAB), torch.randint(0, VOCAB, (ROWS,))
+    good = torch.zeros(ROWS)
+    kw = dict(transform=LogitTransform(), terms=LossTerms(vocab_size=VOCAB))
+    grad = dict(kw, grad_scale=1.0)
+    stats = ExpStats(k=torch.zeros(ROWS, 1), sum_exp=torch.ones(ROWS, 1), target_logit=torch.zeros(ROWS), tile_n=VOCAB)
+    calls = {
+        "lse": lambda: grad_logits(logits, torch.empty_like(logits), target, bad, row_scale=None, **grad),
+        "row_scale": lambda: grad_logits(logits, torch.empty_like(logits), target, good, row_scale=bad, **grad),
+        "loss_out": lambda: row_losses(logits, target, bad, good.clone(), **kw),
+        "lse_out": lambda: merge_exp_stats(stats, good.clone(), bad, terms=kw["terms"]),
+        "exp lse": lambda: grad_from_exp(logits, torch.empty_like(logits), target, bad, stats, terms=kw["terms"],
+                                         grad_scale=1.0, row_scale=None),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=name.split()[-1]):
+            call()
+    with pytest.raises(ValueError, match="out"):  # an output of fewer rows: written past its end
+        grad_logits(logits, torch.empty(ROWS - 1, VOCAB), target, good, row_scale=None, **grad)
