@@ -31,10 +31,15 @@ def _float64(logits, target, a=None, b=None, *, logit_scale=LOGIT_SCALE, softcap
     x = logits.double().requires_grad_(True)
     z = _z(x, logit_scale, softcap)
     logprob = torch.log_softmax(z, 1).gather(1, target[:, None]).squeeze(1)
-    entropy = torch.distributions.Categorical(logits=z.detach(), validate_args=False).entropy()
+    # the entropy is shift-invariant: both forms take z less its row max, so that neither cancels lse against
+    # sum p z at |z| ~ 1e7, where float64's rounding of each (~1e-9) would decide the comparison below
+    row_max = z.detach().amax(1, keepdim=True)
+    shifted = z - torch.where(torch.isfinite(row_max), row_max, 0.0)
+    entropy = torch.distributions.Categorical(logits=shifted.detach(), validate_args=False).entropy()
     # Categorical's own backward overflows at -inf logits (it clamps them to the most negative float64, times a
     # weight > 1 = -inf, times p = 0 = NaN): differentiate lse - sum p z with -inf logits' z taken as 0 instead
-    differentiable_entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * torch.where(z.isinf(), 0.0, z)).sum(1)
+    differentiable_entropy = (torch.logsumexp(shifted, 1)
+                              - (torch.softmax(shifted, 1) * torch.where(shifted.isinf(), 0.0, shifted)).sum(1))
     torch.testing.assert_close(differentiable_entropy.detach(), entropy, rtol=1e-9, atol=1e-9, equal_nan=True)
     objective = z.new_zeros(())
     if a is not None:
