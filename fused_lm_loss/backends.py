@@ -117,6 +117,12 @@ class Backend(Protocol):
         (may be ``student_logits`` itself); see ``divergence.py``."""
 
 
+    def scale_grad(self, x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x * factor for a gradient made in forward (backward's grad_output / scaling, a float64 scalar
+        tensor on x's device), rounded once to out's dtype; ``out`` may be ``x`` (in place: nothing happens at a
+        factor of exactly 1). No host sync on the device (kernels/scale_grad.py)."""
+
+
 _chosen: str | None = None  # set by use_backend(); None: the environment variable, else the device decides
 
 

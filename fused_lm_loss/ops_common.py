@@ -266,11 +266,33 @@ def shapes_only(t: Tensor | None) -> bool:
 
 def rescaled(grads: list[Tensor], dtypes: list[torch.dtype], grad_output: Tensor, scale: Tensor | None,
              scaling: float) -> list[Tensor]:
-    """grad_output / scaling applied out of place, each result rounded once to its ``dtypes`` entry (the
-    input's dtype); in eager mode a factor of exactly 1.0 returns the gradients saved in that dtype as they are."""
+    """grad_output / scaling applied to the saved gradients, each result rounded once to its ``dtypes`` entry (the
+    input's dtype); in eager mode a factor of exactly 1.0 returns the gradients saved in that dtype as they are.
+
+    Eager, with a number for ``scaling`` (not 0) and a graph that this backward frees (no retain_graph), the factor
+    stays on the device (``backend.scale_grad``): no host sync, so the host queues what follows while the forward
+    still runs. A gradient already in its dtype is then scaled in place (untouched at a factor of 1): nothing else
+    reads it, since the engine releases it after this backward. Otherwise (retain_graph: a later backward reads it
+    again; a GradScaler's scale tensor or scaling 0, whose values the host checks) out of place, after one sync."""
     if shapes_only(grad_output):
         return [g.to(dtype) for g, dtype in zip(rescale_grads(grads, grad_output, scale, scaling), dtypes)]
+    if scale is None and scaling != 0.0 and grads and not _graph_kept():
+        backend = get_backend(grads[0].device)
+        factor = grad_output.detach().reshape(()).to(torch.float64) / float(scaling)
+        results = []
+        for g, dtype in zip(grads, dtypes):
+            out = g if g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
+            backend.scale_grad(g, factor, out)
+            results.append(out)
+        return results
     return apply_factor(grads, dtypes, grad_factor(grad_output, gradient_scale(scale, scaling)))
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (retain_graph / create_graph): then the saved gradients are read
+    again. True where torch cannot say (outside a backward, or a torch without the query)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 def apply_factor(grads: list[Tensor], dtypes: list[torch.dtype], factor: float) -> list[Tensor]:

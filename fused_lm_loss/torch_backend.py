@@ -280,3 +280,12 @@ def divergence_rows(
         entropy_out.copy_(-torch.where(p_s == 0, 0.0, p_s * log_ps).sum(dim=1))
     if grad_out is not None:
         grad_out.copy_(student.chain(grad_z, capped, row_scale=row_weight))
+
+
+def scale_grad(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x * factor (``out`` may be ``x``; in place nothing happens at a factor of exactly 1): reading the factor
+    costs no sync on the CPU (on a GPU this twin syncs, where kernels/scale_grad.py does not)."""
+    value = float(factor)
+    if out is x and value == 1.0:
+        return
+    torch.mul(x, value, out=out)

@@ -122,6 +122,66 @@ def test_retain_graph_twice_accumulates_twice_and_never_bumps_saved(backend, k):
         assert rel_err(t.grad, 2 * (8.0 / k) * grads[name]) <= 2e-4, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 0.37, 3.0])
+def test_backward_keeps_the_factor_on_the_device_unless_the_graph_is_kept(backend, monkeypatch, dtype, factor):
+    """Without retain_graph backward never reads grad_output / scaling on the host (``grad_factor`` is its one
+    host read): the device applies it, in place on gradients already in their dtype. The gradients are those of the
+    host path (retain_graph, out of place) on the same forward, bitwise, and float64's within bf16's rounding."""
+    from fused_lm_loss import ops_common
+
+    host_reads = []
+    grad_factor = ops_common.grad_factor
+    monkeypatch.setattr(ops_common, "grad_factor", lambda *a: host_reads.append(a) or grad_factor(*a))
+    hidden, weight, labels, bias = make_inputs(48, 16, 90, bias=True, dtype=dtype)
+    results = {}
+    for retain in (True, False):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        loss = FusedLMLoss(chunk_size=16)(leaves[0], leaves[1], labels, leaves[2], scaling=0.5)
+        (loss * (0.5 * factor)).backward(retain_graph=retain)
+        assert bool(host_reads) == retain
+        host_reads.clear()
+        results[retain] = [t.grad for t in leaves]
+    _, grads = reference_loss(*(t.requires_grad_(True) for t in (hidden, weight)), labels, bias.requires_grad_(True))
+    for name, on_device, on_host in zip(("hidden", "weight", "bias"), results[False], results[True]):
+        assert on_device.dtype == dtype
+        assert torch.equal(on_device, on_host), name
+        assert rel_err(on_device, 0.5 * factor * grads[name]) <= (2e-4 if dtype == torch.float32 else 1e-2), name
+
+
+def test_autograd_grad_gets_the_gradients_scaled_on_the_device(backend):
+    """torch.autograd.grad (no retain_graph) returns the saved gradients themselves, scaled in place: the values are
+    those of the factor; a second call on the freed graph raises PyTorch's error."""
+    hidden, weight, labels, bias = _inputs()
+    loss = FusedLMLoss(chunk_size=16)(hidden, weight, labels, bias)
+    saved_ptr = loss.grad_fn.saved_tensors[2].data_ptr()
+    d_hidden, d_weight = torch.autograd.grad(loss * 2.5, (hidden, weight))
+    assert d_weight.data_ptr() == saved_ptr
+    _, grads = reference_loss(hidden, weight, labels, bias)
+    assert rel_err(d_weight, 2.5 * grads["weight"]) <= 2e-4 and rel_err(d_hidden, 2.5 * grads["hidden"]) <= 2e-4
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(loss * 2.5, (hidden,))
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="host syncs exist only with a device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_does_not_sync_with_the_host(dtype):
+    """The mean loss's backward without retain_graph: CUDA's sync debug mode raises at any host sync."""
+    hidden, weight, labels, _ = make_inputs(300, 64, 1000, dtype=dtype)
+    hidden.requires_grad_(True), weight.requires_grad_(True)
+    for factor in (1.0, 0.25):
+        hidden.grad = weight.grad = None
+        loss = FusedLMLoss(chunk_size=128)(hidden, weight, labels)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            (loss * factor).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        _, grads = reference_loss(hidden, weight, labels)
+        assert rel_err(weight.grad, factor * grads["weight"]) <= 1e-2
+        assert rel_err(hidden.grad, factor * grads["hidden"]) <= 1e-2
+
+
 def test_scale_zero(backend):
     hidden, weight, labels, bias = _inputs()
     loss = FusedLMLoss()(hidden, weight, labels, bias, scaling=0.0)

@@ -17,6 +17,7 @@ from .matmul_stats import matmul_partials
 from .matmul_stats import partial_bytes_per_row as matmul_partial_bytes_per_row
 from .matmul_stats import supported as supports_stats_in_matmul
 from .row_stats import merge_exp_stats, merge_partials, row_losses, row_stats
+from .scale_grad import scale_grad
 from .select_rows import select_rows
 from .token_stats import token_stats
 
@@ -25,5 +26,5 @@ name = "triton"
 __all__ = [
     "divergence_rows", "exp_matmul", "grad_from_exp", "grad_logits", "matmul_partial_bytes_per_row",
     "matmul_partials", "matmul_stats", "merge_exp_stats", "merge_partials", "name", "row_losses", "row_stats",
-    "select_rows", "supports_exp_epilogue", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
+    "scale_grad", "select_rows", "supports_exp_epilogue", "supports_stats_in_matmul", "token_grad_logits", "token_stats",
 ]
