@@ -15,11 +15,12 @@ the real implementation share). A changing number of ignored labels therefore ne
 inside are never traced or re-compiled by Inductor.
 
 Autograd (``register_autograd``): gradients are made in forward and saved; backward multiplies them by
-``grad_output / scaling``, out of place (retain_graph works). In eager mode a factor of exactly 1.0 returns
-the saved tensors themselves. Compiled backward runs ``rescale_grads`` instead, which always writes new
-tensors (an operator may not return its inputs): one multiply per gradient. A scale of 0 with a non-zero
-grad_output raises in both. reduction="none" saves the inputs (version counters guard them) and recomputes
-in backward. Second-order gradients are not supported: a backward with ``create_graph=True`` raises.
+``grad_output / scaling`` (``ops_common.rescaled``: on the device, with no host sync, where the graph is freed;
+out of place under retain_graph). In eager mode a factor of exactly 1.0 returns the saved tensors themselves.
+Compiled backward runs ``rescale_grads`` instead, which always writes new tensors (an operator may not return its
+inputs): one multiply per gradient. A scale of 0 with a non-zero grad_output raises in both. reduction="none"
+saves the inputs (version counters guard them) and recomputes in backward. Second-order gradients are not
+supported: a backward with ``create_graph=True`` raises.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ implementation, ``setup_context`` and backward all receive the decoded ``LossOpt
 output that is not asked for is an empty (0,) tensor; a mismatch is a bug and raises at once.
 
 **Autograd.** Gradients made in forward are saved through ``save_for_backward`` (``save_grads``) and rescaled in
-backward, out of place (``rescaled``); a higher-order gradient raises (``refuse_double_backward``).
+backward (``rescaled``: the factor read on the device where the graph is freed, out of place under retain_graph); a
+higher-order gradient raises (``refuse_double_backward``).
 """
 from __future__ import annotations
 
