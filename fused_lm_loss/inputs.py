@@ -30,7 +30,16 @@ def linear_inputs(
 def grad_needs(tensors: tuple[torch.Tensor | None, ...]) -> list[bool]:
     """Which of ``tensors`` need a gradient. Under ``torch.func.vmap`` a batched tensor reports requires_grad False
     whatever the tensor it batches does, so the per-sample calls of PyTorch's fallback would make it no gradient:
-    that is refused (vmap without gradients, e.g. for evaluation, works)."""
+    that is refused (vmap without gradients, e.g. for evaluation, works). So is forward-mode AD (a tensor that
+    carries a tangent: ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``): the operators have no forward
+    derivative, and PyTorch would give their outputs a zero tangent without a word."""
+    if not torch.compiler.is_compiling() and any(t is not None and _carries_tangent(t) for t in tensors):
+        raise RuntimeError(
+            "fused_lm_loss does not support forward-mode AD (torch.func.jvp / jacfwd / hessian, "
+            "torch.autograd.forward_ad): its operators have no forward derivative, so the tangent would be 0 "
+            "silently. Use reverse mode (backward, torch.autograd.grad, torch.func.grad / jacrev), or F.cross_entropy "
+            "on the logits"
+        )
     if not torch.is_grad_enabled():
         return [False for _ in tensors]
     if not torch.compiler.is_compiling():
@@ -42,6 +51,11 @@ def grad_needs(tensors: tuple[torch.Tensor | None, ...]) -> list[bool]:
                     "number is taken), or loop over it"
                 )
     return [t is not None and t.requires_grad for t in tensors]
+
+
+def _carries_tangent(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dual tensor of the current forward-AD level (torch.func.jvp's inputs are, at their level)."""
+    return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
 
 
 def _batched_requires_grad(t: torch.Tensor) -> bool:

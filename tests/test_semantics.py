@@ -110,6 +110,37 @@ def test_higher_order_gradients_raise(backend, reduction):
     assert g.grad_fn is None and not g.requires_grad
 
 
+@pytest.mark.parametrize("api", ["loss", "token_stats", "divergence", "logits_loss", "weight"])
+@pytest.mark.parametrize("mode", ["jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_ad_raises(backend, api, mode):
+    """Forward-mode AD reaches a custom operator without a forward derivative, and PyTorch gives its outputs a zero
+    (torch.func.jvp) or no (forward_ad) tangent without a word: refused wherever a tangent enters, also through the
+    weight alone. Reverse mode on the same call still works."""
+    from fused_lm_loss.loss import logits_loss
+
+    hidden, weight, labels, _ = make_inputs(12, 8, 30)
+    opts = FusedLMLoss().options
+    calls = {
+        "loss": lambda h: fused_linear_cross_entropy(h, weight, labels),
+        "token_stats": lambda h: token_stats(h, weight, labels).logprobs,
+        "divergence": lambda h: fused_divergence(h, weight, h.detach(), 2.0 * weight, labels),
+        "logits_loss": lambda h: logits_loss(h @ weight.T, labels, opts),
+        "weight": lambda w: fused_linear_cross_entropy(hidden, w, labels),
+    }
+    fn, primal = calls[api], weight if api == "weight" else hidden
+    with pytest.raises(RuntimeError, match="forward-mode AD"):
+        if mode == "jvp":
+            torch.func.jvp(fn, (primal,), (torch.randn_like(primal),))
+        elif mode == "jacfwd":
+            torch.func.jacfwd(fn)(primal)
+        else:
+            with torch.autograd.forward_ad.dual_level():
+                fn(torch.autograd.forward_ad.make_dual(primal, torch.randn_like(primal)))
+    leaf = primal.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(fn(leaf).sum(), leaf)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("api", ["loss", "token_stats", "divergence"])
 def test_vmap_over_a_batch_that_needs_a_gradient_raises(backend, api):
     """torch.func.vmap hides a batched input's requires_grad from the operator, whose per-sample calls would then
