@@ -107,6 +107,9 @@ class LossOptions:
                              f"dist.group.WORLD, dist.new_group(...)), got {self.process_group!r}")
         if self.process_group is None and (self.vocab_start is not None or self.vocab_size is not None):
             raise ValueError("vocab_start / vocab_size describe a vocab shard and need a process_group")
+        if self.process_group is None and self.reduce_grad_input is False:
+            raise ValueError("reduce_grad_input=False leaves dX as this rank's partial sum over a vocab shard and needs "
+                             "a process_group (without one the whole vocabulary is here: nothing is partial)")
         if (self.vocab_start is None) != (self.vocab_size is None):
             raise ValueError("give vocab_start and vocab_size together (unequal shards), or neither (equal shards)")
         if self.class_weight is not None:
