@@ -22,9 +22,9 @@ MAX_PROGRAMS = 1024
 @triton.jit
 def _scale_grad_kernel(x_ptr, out_ptr, factor_ptr, n, IN_PLACE: tl.constexpr, WIDE: tl.constexpr,
                        TO_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    factor = tl.load(factor_ptr)  # float64
-    if (not IN_PLACE) or (factor != 1.0):
-        factor = factor if WIDE else factor.to(tl.float32)
+    factor64 = tl.load(factor_ptr)
+    if (not IN_PLACE) or (factor64 != 1.0):
+        factor = factor64 if WIDE else factor64.to(tl.float32)
         pid = tl.program_id(0).to(tl.int64)
         stride = tl.num_programs(0).to(tl.int64) * BLOCK
         offsets = tl.arange(0, BLOCK).to(tl.int64)
