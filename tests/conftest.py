@@ -56,6 +56,18 @@ interpreter_numpy_warnings = pytest.mark.filterwarnings(
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "runs_last: run after every other test (it reads what they recorded)")
+    if TEST_DEVICE == "cpu" and triton_kernels_can_run():  # record the interpreter's launches for sm90 compiles
+        from .kernels import launches
+
+        launches.start_recording()
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.get_closest_marker("runs_last") is not None)  # (a stable sort)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run the test once with the PyTorch kernels and once with the Triton kernels (interpreted on CPU)."""

@@ -32,9 +32,7 @@ pytestmark = requires_triton
 # Each kernel with the constexpr switches that bring in all of its float math.
 _COMPILE_AND_READ_IR = r"""
 import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.kernels.compile_sm90 import frontend_ir
 
 FLOATS = {"factor", "u_per_x", "cap", "grad_scale", "smoothing_per_class", "target_weight", "z_loss"}
 POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "grad_lo_ptr": "*bf16", "e_ptr": "*bf16", "target_ptr": "*i64",
@@ -82,31 +80,6 @@ KERNELS = [
      dict(HAS_BIAS=False, HAS_FACTOR=True, ROUND_TO_BF16=False, ROUND_TO_FP16=False, HAS_SOFTCAP=False, NEED_SUM=False,
           BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=132)),
 ]
-
-
-def frontend_ir(fn, signature, constexprs):
-    # The kernel's Triton IR as its frontend writes it (where loop-carried types are checked), before any
-    # pass; the full compile's TTIR when this Triton's internals differ.
-    import inspect
-
-    from triton._C.libtriton import ir
-    from triton.compiler.compiler import make_backend
-
-    source = ASTSource(fn, signature, constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    try:
-        backend = make_backend(target)
-        options = backend.parse_options({})
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        available = dict(target=target, options=options, codegen_fns=backend.get_codegen_implementation(options),
-                         module_map=backend.get_module_map(), context=context)
-        parameters = inspect.signature(source.make_ir).parameters
-        make_ir = lambda: source.make_ir(**{name: available[name] for name in parameters})  # noqa: E731
-    except (AttributeError, KeyError, TypeError):
-        return triton.compile(source, target=target).asm["ttir"]
-    return str(make_ir())
 
 
 results = []
