@@ -329,7 +329,9 @@ def test_compiled_backward_of_transposed_inputs():
     torch.compile(total, fullgraph=True)(h, w).backward()
     h0, w0 = sh.detach().clone().requires_grad_(True), sw.detach().clone().requires_grad_(True)
     total(h0, w0).backward()
-    assert rel_err(h.grad, h0.grad) <= 1e-6 and rel_err(w.grad, w0.grad) <= 1e-6
+    # (fp32 throughout; on a GPU cuBLAS sums transposed operands in another order: 1.4e-6 measured on an H100.
+    # A wrong stride gives errors of order 1.)
+    assert rel_err(h.grad, h0.grad) <= 1e-5 and rel_err(w.grad, w0.grad) <= 1e-5
 
 
 @pytest.mark.parametrize("needs", [[True, True, True], [True, False, False], [False, True, False]])
