@@ -9,7 +9,9 @@ zl the z-loss coefficient, the softmax and the gradient of loss_i = lse_i - z_i,
 the target column's p from the accumulator's fp32 z_i,target instead (exp(z - lse)), so that p - 1 does not
 cancel E's rounding into a large relative error where p is near 1. Times the row's gradient scale (grad_scale,
 and row_scale per row), rounded once to the output dtype. The output may alias E (each element is read, then
-written, by the same program). Grid: (rows, cdiv(V, BLOCK_V)); row offsets int64.
+written, by the same thread: tests/kernels/test_in_place.py). Grid: (rows, cdiv(V, BLOCK_V)); row offsets int64.
+A block holds whole sub-tiles of SUB_N columns, so the factor 2^(k - log2e lse) (times the z-loss term and the
+scale) is one exp2 per sub-tile, not one per element, and E's elements cost a multiply each.
 """
 import torch
 import triton
@@ -37,26 +39,29 @@ def _grad_from_exp_kernel(
     grad_scale,
     z_loss,
     TILE_N: tl.constexpr,
+    SUB_N: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    # The block is (BLOCK_V / SUB_N) sub-rows of SUB_N columns, SUB_N a power of two that divides TILE_N: each
+    # sub-row lies in one tile, so its factor 2^(k - log2e lse) is one exp2 and one load per SUB_N elements.
     grad_scale = tl.cast(grad_scale, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    sub_start = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V // SUB_N) * SUB_N
+    cols = sub_start[:, None] + tl.arange(0, SUB_N)[None, :]
     mask = cols < n_cols
     e = tl.load(e_ptr + row * e_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + row)
-    k = tl.load(k_ptr + row * n_tiles + cols // TILE_N, mask=mask, other=0.0)
-    p = e * tl.exp2(k - lse * LOG2E)
-    target = tl.load(target_ptr + row)
-    p_target = tl.exp2((tl.load(target_logit_ptr + row) - lse) * LOG2E)
-    is_target = cols == target
-    p = tl.where(is_target, p_target, p)
+    k = tl.load(k_ptr + row * n_tiles + sub_start // TILE_N, mask=sub_start < n_cols, other=0.0)
     scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
-    grad = (p * (1.0 + 2.0 * z_loss * lse) - tl.where(is_target, 1.0, 0.0)) * scale
+    z_factor = 1.0 + 2.0 * z_loss * lse
+    grad = e * (tl.exp2(k - lse * LOG2E) * (z_factor * scale))[:, None]
+    target = tl.load(target_ptr + row)
+    p_target = tl.exp2((tl.load(target_logit_ptr + row) - lse) * LOG2E)
+    grad = tl.where(cols == target, (p_target * z_factor - 1.0) * scale, grad)
     tl.store(grad_ptr + row * grad_row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,6 +105,7 @@ def grad_from_exp(
         float(grad_scale),
         float(terms.z_loss),
         TILE_N=stats.tile_n,
+        SUB_N=stats.tile_n & -stats.tile_n,  # (the largest power of two dividing it: 128 of 128, 64 of 192)
         PER_ROW_SCALE=row_scale is not None,
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 2048 else 4,

@@ -64,7 +64,7 @@ KERNELS = [
     ("grad_logits", "_grad_logits_kernel",
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, PER_ROW_SCALE=True, SPLIT=True, HAS_CLASS_WEIGHT=True,
           SMOOTH_WEIGHTS=True, BLOCK_V=2048)),
-    ("grad_from_exp", "_grad_from_exp_kernel", dict(TILE_N=128, PER_ROW_SCALE=True, BLOCK_V=2048)),
+    ("grad_from_exp", "_grad_from_exp_kernel", dict(TILE_N=192, SUB_N=64, PER_ROW_SCALE=True, BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",
      dict(HAS_SOFTCAP=True, HAS_FACTOR=True, NEED_ARGMAX=True, SEGMENT_COLS=16384, BLOCK_V=2048)),
     ("token_stats", "_token_segment_kernel",

@@ -49,8 +49,9 @@ for module, name, constexprs, grad_dtype in json.loads(sys.argv[1]):
     constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ttgir"]
-    block = constexprs["BLOCK_V"]
-    accesses = re.findall(r"tt\.(load|store) [^\n]*tensor<%dx!tt\.ptr<(\w+)>, (#\w+)>" % block, ttgir)
+    block = constexprs["BLOCK_V"]  # the accesses of a whole block: (BLOCK_V) or (BLOCK_V / SUB_N, SUB_N) elements
+    shape = "%dx" % block if "SUB_N" not in constexprs else "%dx%dx" % (block // constexprs["SUB_N"], constexprs["SUB_N"])
+    accesses = re.findall(r"tt\.(load|store) [^\n]*tensor<%s!tt\.ptr<(\w+)>, (#\w+)>" % shape, ttgir)
     results.append(dict(kernel=name, accesses=accesses, barriers=len(re.findall(r"gpu\.barrier|ttg\.barrier", ttgir))))
 print("RESULTS " + json.dumps(results))
 """
@@ -62,7 +63,7 @@ KERNELS = [  # (module, kernel, constexprs, G's dtype)
                                                 HAS_CLASS_WEIGHT=True, SMOOTH_WEIGHTS=True, BLOCK_V=2048), "bf16"),
     ("grad_logits", "_token_grad_kernel", dict(HAS_SOFTCAP=True, HAS_FACTOR=True, HAS_LOGPROB=True, HAS_ENTROPY=True,
                                                BLOCK_V=2048), "bf16"),
-    ("grad_from_exp", "_grad_from_exp_kernel", dict(TILE_N=128, PER_ROW_SCALE=True, BLOCK_V=2048), "bf16"),
+    ("grad_from_exp", "_grad_from_exp_kernel", dict(TILE_N=192, SUB_N=64, PER_ROW_SCALE=True, BLOCK_V=2048), "bf16"),
     ("divergence", "_divergence_kernel", dict(_DIVERGENCE, GRAD_OVER_STUDENT=True), "bf16"),
     ("divergence", "_divergence_kernel", dict(_DIVERGENCE, GRAD_OVER_STUDENT=False), "bf16"),
     ("divergence", "_divergence_kernel", dict(_DIVERGENCE, GRAD_OVER_STUDENT=True), "fp32"),
