@@ -340,8 +340,14 @@ def sync():
         torch.cuda.synchronize()
 
 
+HOST_LEAD_CYCLES = 0  # --host-lead-ms: GPU clock cycles of the spin that each timed run starts behind
+
+
 def time_cuda(fn, *, budget_ms=1500.0, min_runs=5, max_runs=40, warmup=2):
-    """(median ms, all ms) of ``fn`` by CUDA events, L2 flushed before each run; on CPU by perf_counter."""
+    """(median ms, all ms) of ``fn`` by CUDA events, L2 flushed before each run; on CPU by perf_counter.
+
+    With ``--host-lead-ms`` each run's clock starts after a GPU spin queued ahead of ``fn``, so that the host's
+    work before ``fn``'s first kernel overlaps it, as it overlaps a model's own kernels in a training step."""
     if DEVICE != "cuda":
         min_runs, warmup = 1, 0
     for _ in range(warmup):
@@ -353,6 +359,8 @@ def time_cuda(fn, *, budget_ms=1500.0, min_runs=5, max_runs=40, warmup=2):
         flush_l2()
         if DEVICE == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if HOST_LEAD_CYCLES:
+                torch.cuda._sleep(HOST_LEAD_CYCLES)
             start.record()
             fn()
             end.record()
@@ -365,6 +373,17 @@ def time_cuda(fn, *, budget_ms=1500.0, min_runs=5, max_runs=40, warmup=2):
         if len(times) >= min_runs and (time.perf_counter() - t_start) * 1e3 > budget_ms:
             break
     return statistics.median(times), times
+
+
+def spin_cycles(ms: float) -> int:
+    """GPU clock cycles of ``torch.cuda._sleep`` that last about ``ms`` (calibrated on this GPU)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10**6)  # (warm-up)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    torch.cuda.synchronize()
+    return int(10**7 * ms / start.elapsed_time(end))
 
 
 def floor_fn(x, w, mode):
@@ -441,6 +460,9 @@ def main():
     parser.add_argument("--peers-main-only", action="store_true", help="time eager and the peers in the main scenario only")
     parser.add_argument("--budget-ms", type=float, default=1500.0, help="timing budget per measurement")
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU tensors (default shape: tiny)")
+    parser.add_argument("--host-lead-ms", type=float, default=0.0, help="start each timed run behind a GPU spin "
+                        "of this length, so that the host's work before the first kernel is hidden (a diagnostic: "
+                        "how much of a row is the host's; every row and the floor alike)")
     parser.add_argument("--rows", default=None, help="comma-separated implementations to time (default: all)")
     parser.add_argument("--scenarios", default=None, help="comma-separated of main,50pct,uniform,forward,frozen,fp16 "
                         "(default: all; main only with --quick / --main-only)")
@@ -458,6 +480,10 @@ def main():
         "cuda": torch.version.cuda,
         "library": os.path.abspath(os.path.dirname(fused_lm_loss.__file__)),
     }
+    if args.host_lead_ms and DEVICE == "cuda":
+        global HOST_LEAD_CYCLES
+        HOST_LEAD_CYCLES = spin_cycles(args.host_lead_ms)
+        env["host_lead_ms"] = args.host_lead_ms
     impls = implementations(env)
     if args.rows:
         impls = {name: impl for name, impl in impls.items() if name in args.rows.split(",")}
@@ -557,7 +583,7 @@ def sweep(shape, record):
 def write_table(rows, env, out):
     lines = [
         f"{env['date']} · {env['gpu']} · torch {env['torch']} · triton {env['triton']} · CUDA {env['cuda']}"
-        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce", "trl_head", "quack_chunked", "cutlass_dsl") if k in env),
+        + "".join(f" · {k} {env[k]}" for k in ("liger", "cce", "trl_head", "quack_chunked", "cutlass_dsl", "host_lead_ms") if k in env),
         "",
         "| shape | data | ignored | mode | dtype | impl | ms | × floor | extra GiB | err loss | err dX | err dW |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -16,7 +16,8 @@ own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), 
                 ``--configs`` ("auto": the library's, exp_epilogue.exp_matmul; others where their tile_n divides V)
   merge         backend.merge_exp_stats on the epilogue's outputs (loss, lse): epilogue + merge is the Hopper path's
                 forward part of a chunk
-  grad          backend.grad_logits on the chunk: the pass both designs keep (G from E reads and writes as much)
+  grad from E   backend.grad_from_exp on the epilogue's E (the Hopper path's gradient pass)
+  grad          backend.grad_logits on the chunk: today's gradient pass (it reads and writes as many bytes)
 
 and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
 bf16 logits) and of G, the bf16 operand of both backward GEMMs: from E (the per-(row, tile) factor 2^k e^-lse and the
@@ -208,8 +209,8 @@ def main():
         print("\n".join(lines))
         return
     header = ("| shape | M | tile_n | cuBLAS ms (TF/s) | stats ms | cuBLAS + stats | config | epilogue ms (TF/s) | "
-              "merge ms | (epilogue + merge) / (cuBLAS + stats) | grad ms |")
-    table = [header, "|---" * 11 + "|"]
+              "merge ms | (epilogue + merge) / (cuBLAS + stats) | grad from E ms | grad ms |")
+    table = [header, "|---" * 12 + "|"]
     errors = ["| shape | M | lse err: epilogue | lse err: today | G err: from E | G err: today (bf16 logits) |",
               "|---|---|---|---|---|---|"]
     for name in default_shapes(args.shapes):
@@ -247,14 +248,17 @@ def main():
                     stats = ExpStats(k=out["k"], sum_exp=out["sum_exp"], target_logit=out["target_logit"], tile_n=tn)
                     merged = torch.empty_like(loss), torch.empty_like(lse)  # (lse stays today's, for accuracy())
                     t_merge = bench(lambda: plan.backend.merge_exp_stats(stats, *merged, terms=plan.terms))
+                    t_grad_exp = bench(lambda: plan.backend.grad_from_exp(
+                        out["E"], grad, target, merged[1], stats, terms=plan.grad_terms, grad_scale=plan.grad_scale,
+                        row_scale=None))
                     cells += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_merge:.3f}",
-                              f"{(t_epi + t_merge) / (t_mm + t_stats):.3f}"]
+                              f"{(t_epi + t_merge) / (t_mm + t_stats):.3f}", f"{t_grad_exp:.3f}"]
                     if i == 0 and config == "auto":
                         errs = accuracy(xs, w, target, logits, lse, out, tn)
                         errors.append(f"| {name} | {m} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
                     out = run = stats = merged = None
                 except Exception as e:  # noqa: BLE001 - a failed compile or launch is a result too
-                    cells += [f"failed: {type(e).__name__}: {str(e)[:120]}", "", ""]
+                    cells += [f"failed: {type(e).__name__}: {str(e)[:120]}", "", "", ""]
                 table.append("| " + " | ".join(cells + [f"{t_grad:.3f}"]) + " |")
                 print(table[-1], flush=True)
             logits = grad = None
