@@ -68,10 +68,10 @@ class Backend(Protocol):
         """E = exp(z - k) per (row, tile) of z = hidden @ weight.T into ``e_out``, and k, the tiles' sums of E and the
         target logit (fp32), all from the GEMM's fp32 accumulator."""
 
-    def grad_from_exp(self, e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                      stats: ExpStats, *, terms: LossTerms, grad_scale: float,
-                      row_scale: torch.Tensor | None) -> None:
-        """d(loss)/d(logits) of the plain loss from ``exp_matmul``'s outputs into ``out`` (may be ``e`` itself)."""
+    def grad_from_exp(self, e: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats: ExpStats, *,
+                      terms: LossTerms, grad_scale: float, row_scale: torch.Tensor | None) -> torch.Tensor:
+        """The plain loss's d(loss)/d(logits) from ``exp_matmul``'s outputs as (rows,) fp32 factors f, with E
+        rewritten in place so that G = f[:, None] * E."""
 
     def merge_exp_stats(self, stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tensor, *,
                         terms: LossTerms) -> None:

@@ -197,9 +197,10 @@ class LossStep:
 
     def _grad(self, logits, out, target, start, end, out_lo) -> None:
         plan = self.plan
-        if self.exp_stats is not None:
-            plan.backend.grad_from_exp(
-                logits, out, target, self.lse[start:end], self.exp_stats, terms=plan.grad_terms,
+        if self.exp_stats is not None:  # G = f E: E made G's rows up to f in place, f for the head's GEMMs
+            assert out.data_ptr() == logits.data_ptr(), "G takes E's place on the Hopper path"
+            self.exp_stats.row_factor = plan.backend.grad_from_exp(
+                logits, target, self.lse[start:end], self.exp_stats, terms=plan.grad_terms,
                 grad_scale=plan.grad_scale, row_scale=None if self.row_scale is None else self.row_scale[start:end],
             )
             return
@@ -411,14 +412,20 @@ class LinearHead:
         # dX gets G as hi + lo; dW, summed in fp32 over all rows, is already as exact as torch's with hi alone
         # (benchmarks/NOTES.md), and one GEMM cheaper.
         dx_terms = (grad,) if self.grad_lo is None else (grad, self.grad_lo)
+        # the Hopper path: G = f E with one factor per row (grad_from_exp.py), so dX = f (E @ W), dW = E^T (f h)
+        row_factor = None if self.exp_stats is None else self.exp_stats.row_factor
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for name, vocab_operand in (("hidden", self.weight), ("u", self.b)):
                 if out[name] is not None:
-                    self._store_rows(out[name], (component, name), start, end, dx_terms, vocab_operand[tile])
+                    self._store_rows(out[name], (component, name), start, end, dx_terms, vocab_operand[tile],
+                                     row_factor)
         if out["weight"] is not None:
-            out["weight"].add(grad.t(), self.h, first=start == 0, rows=tile)
+            h = self.h
+            if row_factor is not None:  # f h over the gathered rows (read only here), else in a buffer of its own
+                h = torch.mul(h, row_factor[:, None], out=h if self.rows.index is not None else torch.empty_like(h))
+            out["weight"].add(grad.t(), h, first=start == 0, rows=tile)
         if out["b"] is not None:
             out["b"].add(grad.t(), self.u_rows, first=start == 0, rows=tile)
         if out["bias"] is not None:
@@ -427,10 +434,11 @@ class LinearHead:
             torch.cuda.current_stream(self.device).wait_stream(side)
 
     def _store_rows(self, out: torch.Tensor, key: tuple, start: int, end: int, grad_terms: tuple,
-                    vocab_operand: torch.Tensor) -> None:
+                    vocab_operand: torch.Tensor, row_factor: torch.Tensor | None = None) -> None:
         """out[chunk rows] (+)= sum(G_k @ vocab_operand) for this tile's columns: written by the first tile,
         summed over the others; with dropped rows built in a buffer of the chunk's rows, scattered after the
-        last tile. ``out`` may be wider (fp32) than the G terms and the operand."""
+        last tile. ``out`` may be wider (fp32) than the G terms and the operand. ``row_factor`` (one tile only):
+        G is row_factor[:, None] * grad_terms[0], applied to the product's rows (in ``out``'s dtype)."""
         first_tile, last_tile = self.cols[0] == 0, self.cols[1] == self.weight.shape[0]
         if self.rows.index is None:
             part = out[start:end]
@@ -440,6 +448,9 @@ class LinearHead:
             part = self.row_parts[key]
         for k, term in enumerate(grad_terms):
             matmul_accumulate(part, term, vocab_operand, first=first_tile and k == 0)
+        if row_factor is not None:
+            assert first_tile and last_tile and len(grad_terms) == 1
+            part.mul_(row_factor[:, None])
         if self.rows.index is not None and last_tile:
             out.index_copy_(0, self.rows.index[start:end], part)
             del self.row_parts[key]

@@ -187,7 +187,10 @@ def make_plan(
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)
-    epilogue_row_bytes = exp_epilogue_bytes_per_row(shard.size) if exp_epilogue else 0
+    # (f h overwrites the gathered rows; without an index the rows are the caller's, and f h takes a buffer)
+    epilogue_row_bytes = exp_epilogue_bytes_per_row(
+        shard.size, 0 if has_index else operands[0].shape[1] * matmul_dtype.itemsize
+    ) if exp_epilogue else 0
     row_bytes += epilogue_row_bytes
     per_logit = bytes_per_logit(backend.name, logits_dtype, matmul_dtype, split_grad)
     wide_dw = needs.weight and weight is not None and saves_weight_grad_wide(

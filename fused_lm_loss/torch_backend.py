@@ -29,21 +29,23 @@ def exp_matmul(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     return exp_matmul_reference(hidden, weight, target, e_out)
 
 
-def grad_from_exp(e: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats: ExpStats, *,
-                  terms: LossTerms, grad_scale: float, row_scale: torch.Tensor | None) -> None:
-    """d(loss)/d(logits) from the epilogue's E (kernels/grad_from_exp.py): p = E 2^(k - log2e lse) per tile, the
-    target column's p from the fp32 target logit."""
+def grad_from_exp(e: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stats: ExpStats, *, terms: LossTerms,
+                  grad_scale: float, row_scale: torch.Tensor | None) -> torch.Tensor:
+    """E in place as G up to one factor per row, and those factors (kernels/grad_from_exp.py): every tile moved to
+    the row's largest k (an exact power of two), the target column G / f from the fp32 target logit."""
     rows, vocab = e.shape
-    factor = torch.exp2(stats.k - (lse * LOG2E)[:, None])  # per (row, tile)
-    p = (e.float().view(rows, -1, stats.tile_n) * factor[:, :, None]).view(rows, vocab)
+    k_top = stats.k.amax(1)
+    scale = torch.full_like(lse, grad_scale) if row_scale is None else grad_scale * row_scale
+    z_factor = 1.0 + 2.0 * terms.z_loss * lse
+    factor = torch.exp2(k_top - lse * LOG2E) * z_factor * scale
+    if rows:
+        e.view(rows, -1, stats.tile_n).mul_(torch.exp2(stats.k - k_top[:, None])[:, :, None])
     has = torch.nonzero(target >= 0).squeeze(1)
-    p[has, target[has]] = torch.exp(stats.target_logit[has] - lse[has])
-    grad = p * (1.0 + 2.0 * terms.z_loss * lse)[:, None]
-    grad[has, target[has]] -= 1.0
-    grad *= grad_scale
-    if row_scale is not None:
-        grad *= row_scale[:, None]
-    out.copy_(grad)
+    grad_target = (torch.exp(stats.target_logit - lse) * z_factor - 1.0) * scale
+    nonzero = factor != 0
+    e_target = torch.where(nonzero, grad_target / torch.where(nonzero, factor, 1.0), 0.0)
+    e[has, target[has]] = e_target[has].to(e.dtype)
+    return factor
 
 
 def merge_exp_stats(stats: ExpStats, loss_out: torch.Tensor, lse_out: torch.Tensor, *, terms: LossTerms) -> None:

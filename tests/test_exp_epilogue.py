@@ -91,6 +91,30 @@ def test_against_float64(served, vocab, reduction, z_loss, scaling, chunk_size, 
         assert rel_err(dw, grads["weight"]) < 0.6 * rel_err(base_dw, grads["weight"])
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_rows_whose_target_is_far_below_their_max(served, chunk_size):
+    """The tiles of a row share the offset of its target logit unless their max is more than HEADROOM (64 in log2
+    units, ~44 nats) above it. Row 0's max is 49 nats above its target and another tile's 44: the first takes an
+    offset of its own, the second (and the rest) the shared one, and grad_from_exp moves them to one, which matters
+    here (the second tile holds ~1% of the row's probability). Beside rows of one offset in the same chunks, loss and
+    gradients stay those of float64."""
+    hidden, weight, labels, _ = make_inputs(23, 64, 640, dtype=torch.bfloat16, logit_std=4.0)
+    h0 = hidden[0].float()
+    labels[0], labels[1] = 8, 7
+    z_target = h0.dot(weight[8].float())
+    for column, above in ((7, 49.0), (300, 44.0)):  # (columns 7 and 300 lie in different tiles of 128 and of 192)
+        weight[column] = (h0 * ((z_target + above) / h0.dot(h0))).bfloat16()
+    e = torch.empty(1, 640, dtype=torch.bfloat16)
+    k = exp_epilogue.exp_matmul_reference(hidden[:1], weight, labels[:1], e).k[0]
+    assert k.amin() < k.amax()  # (the case is the one meant: row 0's tiles do not share an offset)
+    loss, dx, dw = run(hidden, weight, labels, chunk_size=chunk_size)
+    assert served.calls >= 1
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want, grads = reference_loss(h64, w64, labels)
+    assert rel_err(loss, want) < 2e-6
+    assert rel_err(dx, grads["hidden"]) < 4e-3 and rel_err(dw, grads["weight"]) < 4e-3
+
+
 def test_num_items_and_the_reported_z_loss(served):
     """What reads the epilogue's statistics besides the loss: the mean over num_items_in_batch and the z-loss term
     that return_z_loss reports, against float64."""
@@ -134,7 +158,7 @@ def test_the_epilogue_does_not_split_a_batch_that_fits_one_chunk(served, monkeyp
     original = chunked.logits_into
     monkeypatch.setattr(chunked, "logits_into",
                         lambda out, *args: chunk_rows.append(out.shape[0]) or original(out, *args))
-    monkeypatch.setattr(plan, "exp_epilogue_bytes_per_row", lambda vocab: 2**40)  # no row fits with them
+    monkeypatch.setattr(plan, "exp_epilogue_bytes_per_row", lambda vocab, scaled_rows_bytes: 2**40)  # no row fits with them
     got = run(hidden, weight, labels, frozen=frozen)
     assert served.calls == 0 and chunk_rows == [int((labels != -100).sum())]
     want, grads = reference_loss(hidden.double().requires_grad_(True),

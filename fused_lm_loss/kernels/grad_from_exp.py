@@ -1,17 +1,23 @@
-"""Triton kernel: d(loss)/d(logits) of a chunk from the epilogue's E = exp(z - k) (the Hopper path, exp_epilogue.py).
+"""Triton kernel: d(loss)/d(logits) of a chunk as one factor per row times the epilogue's E (the Hopper path).
 
-With E_ij = 2^(log2e z_ij - k_it) (bf16) for column j in tile t = j // tile_n, lse_i the row's log-sum-exp and
-zl the z-loss coefficient, the softmax and the gradient of loss_i = lse_i - z_i,target + zl lse_i^2 are::
+With E_ij = 2^(log2e z_ij - k_it) (bf16) for column j in tile t = j // tile_n, lse_i the row's log-sum-exp, zl the
+z-loss coefficient and s_i the row's gradient scale (grad_scale, times row_scale), the gradient of
+loss_i = lse_i - z_i,target + zl lse_i^2 is::
 
-    p_ij = E_ij * 2^(k_it - log2e lse_i)
-    dloss_i / dz_ij = p_ij (1 + 2 zl lse_i) - [j == target_i]
+    G_ij = s_i (p_ij (1 + 2 zl lse_i) - [j == target_i]),    p_ij = E_ij 2^(k_it - log2e lse_i)
 
-the target column's p from the accumulator's fp32 z_i,target instead (exp(z - lse)), so that p - 1 does not
-cancel E's rounding into a large relative error where p is near 1. Times the row's gradient scale (grad_scale,
-and row_scale per row), rounded once to the output dtype. The output may alias E (each element is read, then
-written, by the same thread: tests/kernels/test_in_place.py). Grid: (rows, cdiv(V, BLOCK_V)); row offsets int64.
-A block holds whole sub-tiles of SUB_N columns, so the factor 2^(k - log2e lse) (times the z-loss term and the
-scale) is one exp2 per sub-tile, not one per element, and E's elements cost a multiply each.
+Each row is brought to one offset K_i = max_t k_it, so that G_i = f_i E_i with one fp32 factor per row::
+
+    f_i = 2^(K_i - log2e lse_i) (1 + 2 zl lse_i) s_i                       (written to ``factor_out``)
+    E_ij <- E_ij 2^(k_it - K_i)                                             (exact: a power of two; only rows whose
+                                                                              tiles differ, rare: kernels/exp_gemm.py)
+    E_i,target <- G_i,target / f_i                                          (0 where f_i is 0)
+
+G_i,target from the accumulator's fp32 z_i,target (exp(z - lse)), so that p - 1 does not cancel E's rounding; E's
+other elements are not rewritten, and the gradient GEMMs take E with f on their rows-sized side (chunked.py):
+dX = f (E @ W), dW = E^T (f h). No pass over the chunk: one program per row reads its k and writes one element,
+except where the row's tiles took different offsets (each element then read and written by the same thread:
+tests/kernels/test_in_place.py).
 """
 import torch
 import triton
@@ -19,7 +25,7 @@ import triton.language as tl
 
 from ..exp_epilogue import ExpStats
 from ..loss_terms import LossTerms
-from .args import check_like, check_target, check_vector
+from .args import check_target, check_vector
 from .online import LOG2E
 
 
@@ -27,8 +33,7 @@ from .online import LOG2E
 def _grad_from_exp_kernel(
     e_ptr,
     e_row_stride,
-    grad_ptr,
-    grad_row_stride,
+    factor_ptr,
     k_ptr,
     target_logit_ptr,
     target_ptr,
@@ -41,33 +46,42 @@ def _grad_from_exp_kernel(
     TILE_N: tl.constexpr,
     SUB_N: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # The block is (BLOCK_V / SUB_N) sub-rows of SUB_N columns, SUB_N a power of two that divides TILE_N: each
-    # sub-row lies in one tile, so its factor 2^(k - log2e lse) is one exp2 and one load per SUB_N elements.
     grad_scale = tl.cast(grad_scale, tl.float32)
     z_loss = tl.cast(z_loss, tl.float32)
     row = tl.program_id(0).to(tl.int64)
-    sub_start = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V // SUB_N) * SUB_N
-    cols = sub_start[:, None] + tl.arange(0, SUB_N)[None, :]
-    mask = cols < n_cols
-    e = tl.load(e_ptr + row * e_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tiles = tl.arange(0, BLOCK_TILES)
+    k = tl.load(k_ptr + row * n_tiles + tiles, mask=tiles < n_tiles, other=-float("inf"))
+    k_top = tl.max(k, axis=0)
+    k_low = tl.min(tl.where(tiles < n_tiles, k, float("inf")), axis=0)
     lse = tl.load(lse_ptr + row)
-    k = tl.load(k_ptr + row * n_tiles + sub_start // TILE_N, mask=sub_start < n_cols, other=0.0)
     scale = grad_scale
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
     z_factor = 1.0 + 2.0 * z_loss * lse
-    grad = e * (tl.exp2(k - lse * LOG2E) * (z_factor * scale))[:, None]
+    factor = tl.exp2(k_top - lse * LOG2E) * (z_factor * scale)
+    tl.store(factor_ptr + row, factor)
     target = tl.load(target_ptr + row)
     p_target = tl.exp2((tl.load(target_logit_ptr + row) - lse) * LOG2E)
-    grad = tl.where(cols == target, (p_target * z_factor - 1.0) * scale, grad)
-    tl.store(grad_ptr + row * grad_row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    nonzero = factor != 0.0
+    e_target = tl.where(nonzero, (p_target * z_factor - 1.0) * scale / tl.where(nonzero, factor, 1.0), 0.0)
+    if k_low < k_top:  # tiles with offsets of their own: moved to k_top, in blocks of whole sub-tiles
+        for start in range(0, n_cols, BLOCK_V):
+            sub_start = start + tl.arange(0, BLOCK_V // SUB_N) * SUB_N
+            cols = sub_start[:, None] + tl.arange(0, SUB_N)[None, :]
+            mask = cols < n_cols
+            e = tl.load(e_ptr + row * e_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            k_tile = tl.load(k_ptr + row * n_tiles + sub_start // TILE_N, mask=sub_start < n_cols, other=0.0)
+            e = tl.where(cols == target, e_target, e * tl.exp2(k_tile - k_top)[:, None])
+            tl.store(e_ptr + row * e_row_stride + cols, e.to(e_ptr.dtype.element_ty), mask=mask)
+    elif target >= 0:
+        tl.store(e_ptr + row * e_row_stride + target, e_target.to(e_ptr.dtype.element_ty))
 
 
 def grad_from_exp(
     e: torch.Tensor,
-    out: torch.Tensor,
     target: torch.Tensor,
     lse: torch.Tensor,
     stats: ExpStats,
@@ -75,26 +89,26 @@ def grad_from_exp(
     terms: LossTerms,
     grad_scale: float,
     row_scale: torch.Tensor | None,
-) -> None:
-    """Write d(loss)/d(logits) of a (rows, V) chunk, given as the epilogue's E and ``stats``, into ``out`` (which
-    may be ``e`` itself), times ``grad_scale`` (and ``row_scale``)."""
+) -> torch.Tensor:
+    """Make the epilogue's E of a (rows, V) chunk, in place, the gradient d(loss)/d(logits) up to one factor per row,
+    times ``grad_scale`` (and ``row_scale``): returns the (rows,) fp32 factors f, G = f[:, None] * E (see the
+    module)."""
     rows, n_cols = e.shape
     check_target(target, rows, e.device, "grad_from_exp")
     check_vector(lse, rows, e.device, "grad_from_exp", "lse")
     check_vector(row_scale, rows, e.device, "grad_from_exp", "row_scale")
     check_vector(stats.target_logit, rows, e.device, "grad_from_exp", "stats.target_logit")
-    check_like(out, e, "grad_from_exp", "out")
     assert terms.class_weight is None and not terms.smooths, "the exp epilogue serves the plain loss (plan.py)"
     assert stats.k.shape == (rows, n_cols // stats.tile_n) and stats.k.is_contiguous() and n_cols % stats.tile_n == 0
+    factor = torch.empty(rows, dtype=torch.float32, device=e.device)
     if rows == 0:
-        return
+        return factor
     assert e.stride(1) == 1
     block_v = min(triton.next_power_of_2(n_cols), 2048)
-    _grad_from_exp_kernel[(rows, triton.cdiv(n_cols, block_v))](
+    _grad_from_exp_kernel[(rows,)](
         e,
         e.stride(0),
-        out,
-        out.stride(0),
+        factor,
         stats.k,
         stats.target_logit,
         target,
@@ -107,6 +121,8 @@ def grad_from_exp(
         TILE_N=stats.tile_n,
         SUB_N=stats.tile_n & -stats.tile_n,  # (the largest power of two dividing it: 128 of 128, 64 of 192)
         PER_ROW_SCALE=row_scale is not None,
+        BLOCK_TILES=triton.next_power_of_2(stats.k.shape[1]),
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 2048 else 4,
     )
+    return factor

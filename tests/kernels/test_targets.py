@@ -92,8 +92,8 @@ def test_launchers_refuse_bad_per_row_vectors_and_outputs(case):
         "row_scale": lambda: grad_logits(logits, torch.empty_like(logits), target, good, row_scale=bad, **grad),
         "loss_out": lambda: row_losses(logits, target, bad, good.clone(), **kw),
         "lse_out": lambda: merge_exp_stats(stats, good.clone(), bad, terms=kw["terms"]),
-        "exp lse": lambda: grad_from_exp(logits, torch.empty_like(logits), target, bad, stats, terms=kw["terms"],
-                                         grad_scale=1.0, row_scale=None),
+        "exp lse": lambda: grad_from_exp(logits, target, bad, stats, terms=kw["terms"], grad_scale=1.0,
+                                         row_scale=None),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=name.split()[-1]):
