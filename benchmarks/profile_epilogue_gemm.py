@@ -16,7 +16,7 @@ own, rounded up to a multiple of 128, the GEMM's tile, and each of ``--rows``), 
                 ``--configs`` ("auto": the library's, exp_epilogue.exp_matmul; others where their tile_n divides V)
   merge         backend.merge_exp_stats on the epilogue's outputs (loss, lse): epilogue + merge is the Hopper path's
                 forward part of a chunk
-  grad from E   backend.grad_from_exp on the epilogue's E (the Hopper path's gradient pass)
+  grad from E   a copy of E, then backend.grad_from_exp on it (per-tile offsets here: every row takes its rescale loop)
   grad          backend.grad_logits on the chunk: today's gradient pass (it reads and writes as many bytes)
 
 and, on the plan's chunk, the relative L2 error against float64 of the lse (from the epilogue's partials; from the
@@ -125,17 +125,18 @@ def backward_rows(name: str, x, w, y, plan, rows, m: int) -> list[str]:
     dx, dw = torch.empty(m, h, device=DEVICE, dtype=f32), torch.empty(v, h, device=DEVICE, dtype=f32)
     grad = torch.empty_like(out["E"])
 
-    def library():
-        plan.backend.grad_from_exp(out["E"], grad, target, lse, stats, terms=plan.grad_terms, grad_scale=scale,
-                                   row_scale=None)
-        torch.ops.aten.mm.dtype_out(grad, w, f32, out=dx)
-        torch.ops.aten.mm.dtype_out(grad.t(), xs, f32, out=dw)
+    def library():  # (this script's epilogue keeps per-tile offsets: every row takes grad_from_exp's rescale loop)
+        f = plan.backend.grad_from_exp(grad.copy_(out["E"]), target, lse, stats, terms=plan.grad_terms,
+                                       grad_scale=scale, row_scale=None)
+        torch.ops.aten.mm.dtype_out(grad, w, f32, out=dx).mul_(f[:, None])
+        torch.ops.aten.mm.dtype_out(grad.t(), torch.mul(xs, f[:, None]), f32, out=dw)
 
     def quack_plain():
-        plan.backend.grad_from_exp(out["E"], grad, target, lse, stats, terms=plan.grad_terms, grad_scale=scale,
-                                   row_scale=None)
+        f = plan.backend.grad_from_exp(grad.copy_(out["E"]), target, lse, stats, terms=plan.grad_terms,
+                                       grad_scale=scale, row_scale=None)
         lce.identity_epi.gemm(grad, w.mT, dx, epi_args={})
-        lce.identity_epi.gemm(grad.t(), xs.mT, dw, epi_args={})
+        dx.mul_(f[:, None])
+        lce.identity_epi.gemm(grad.t(), torch.mul(xs, f[:, None]).mT, dw, epi_args={})
 
     strip = torch.empty(v // 64, m, device=DEVICE, dtype=x.dtype)
     v_row, loss = torch.empty(m, device=DEVICE, dtype=f32), torch.empty(m, device=DEVICE, dtype=f32)
@@ -249,8 +250,8 @@ def main():
                     merged = torch.empty_like(loss), torch.empty_like(lse)  # (lse stays today's, for accuracy())
                     t_merge = bench(lambda: plan.backend.merge_exp_stats(stats, *merged, terms=plan.terms))
                     t_grad_exp = bench(lambda: plan.backend.grad_from_exp(
-                        out["E"], grad, target, merged[1], stats, terms=plan.grad_terms, grad_scale=plan.grad_scale,
-                        row_scale=None))
+                        grad.copy_(out["E"]), target, merged[1], stats, terms=plan.grad_terms,
+                        grad_scale=plan.grad_scale, row_scale=None))
                     cells += [f"{t_epi:.3f} ({tflops(2 * m * h * v, t_epi):.0f})", f"{t_merge:.3f}",
                               f"{(t_epi + t_merge) / (t_mm + t_stats):.3f}", f"{t_grad_exp:.3f}"]
                     if i == 0 and config == "auto":
