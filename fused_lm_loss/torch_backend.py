@@ -37,9 +37,12 @@ def grad_from_exp(e: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, stat
     k_top = stats.k.amax(1)
     scale = torch.full_like(lse, grad_scale) if row_scale is None else grad_scale * row_scale
     z_factor = 1.0 + 2.0 * terms.z_loss * lse
-    factor = torch.exp2(k_top - lse * LOG2E) * z_factor * scale
+    folded = z_factor != 0  # (where it is 0 only the target's G is left: f leaves it out, E's other columns 0)
+    base = torch.exp2(k_top - lse * LOG2E) * scale
+    factor = torch.where(folded, base * z_factor, base)
     if rows:
-        e.view(rows, -1, stats.tile_n).mul_(torch.exp2(stats.k - k_top[:, None])[:, :, None])
+        move = torch.exp2(stats.k - k_top[:, None]) * folded[:, None]
+        e.view(rows, -1, stats.tile_n).mul_(move[:, :, None])
     has = torch.nonzero(target >= 0).squeeze(1)
     grad_target = (torch.exp(stats.target_logit - lse) * z_factor - 1.0) * scale
     nonzero = factor != 0

@@ -8,7 +8,8 @@ loss_i = lse_i - z_i,target + zl lse_i^2 is::
 
 Each row is brought to one offset K_i = max_t k_it, so that G_i = f_i E_i with one fp32 factor per row::
 
-    f_i = 2^(K_i - log2e lse_i) (1 + 2 zl lse_i) s_i                       (written to ``factor_out``)
+    f_i = 2^(K_i - log2e lse_i) (1 + 2 zl lse_i) s_i                       (returned; without the z-loss term
+                                                                              where it is 0, E's other columns 0)
     E_ij <- E_ij 2^(k_it - K_i)                                             (exact: a power of two; only rows whose
                                                                               tiles differ, rare: kernels/exp_gemm.py)
     E_i,target <- G_i,target / f_i                                          (0 where f_i is 0)
@@ -61,20 +62,25 @@ def _grad_from_exp_kernel(
     if PER_ROW_SCALE:
         scale = scale * tl.load(row_scale_ptr + row)
     z_factor = 1.0 + 2.0 * z_loss * lse
-    factor = tl.exp2(k_top - lse * LOG2E) * (z_factor * scale)
+    # where 1 + 2 zl lse is 0 only the target column's G is left: f leaves that factor out, and E's other columns
+    # become 0 (with it in f, f would be 0 and could not carry the target's -s)
+    folded = z_factor != 0.0
+    base = tl.exp2(k_top - lse * LOG2E) * scale
+    factor = tl.where(folded, base * z_factor, base)
     tl.store(factor_ptr + row, factor)
     target = tl.load(target_ptr + row)
     p_target = tl.exp2((tl.load(target_logit_ptr + row) - lse) * LOG2E)
     nonzero = factor != 0.0
     e_target = tl.where(nonzero, (p_target * z_factor - 1.0) * scale / tl.where(nonzero, factor, 1.0), 0.0)
-    if k_low < k_top:  # tiles with offsets of their own: moved to k_top, in blocks of whole sub-tiles
+    if (k_low < k_top) | (z_factor == 0.0):  # tiles with offsets of their own: moved to k_top, in whole sub-tiles
+        keep = tl.where(folded, 1.0, 0.0)
         for start in range(0, n_cols, BLOCK_V):
             sub_start = start + tl.arange(0, BLOCK_V // SUB_N) * SUB_N
             cols = sub_start[:, None] + tl.arange(0, SUB_N)[None, :]
             mask = cols < n_cols
             e = tl.load(e_ptr + row * e_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
             k_tile = tl.load(k_ptr + row * n_tiles + sub_start // TILE_N, mask=sub_start < n_cols, other=0.0)
-            e = tl.where(cols == target, e_target, e * tl.exp2(k_tile - k_top)[:, None])
+            e = tl.where(cols == target, e_target, e * (tl.exp2(k_tile - k_top) * keep)[:, None])
             tl.store(e_ptr + row * e_row_stride + cols, e.to(e_ptr.dtype.element_ty), mask=mask)
     elif target >= 0:
         tl.store(e_ptr + row * e_row_stride + target, e_target.to(e_ptr.dtype.element_ty))

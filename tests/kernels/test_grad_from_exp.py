@@ -83,3 +83,23 @@ def test_a_zero_scale_gives_zero_gradients():
         row_factor = launch(out, target, lse64.float(), stats, terms=LossTerms(vocab_size=384), grad_scale=0.0,
                             row_scale=None)
         assert torch.equal(row_factor, torch.zeros(4)) and torch.isfinite(out.float()).all(), launch
+
+
+def test_a_zero_z_loss_factor_keeps_the_target_gradient():
+    """z_loss 0.25 and lse -2: 1 + 2 zl lse is 0, so G is -s at the target and 0 elsewhere; with that 0 inside f
+    the target's -s could not be carried (f = 0): f leaves it out there."""
+    from fused_lm_loss.kernels import grad_from_exp
+
+    e, stats, target, _ = epilogue_outputs(4, 384, 192, True)
+    lse = torch.tensor([-2.0, 1.0, -2.0, 3.0])
+    terms = LossTerms(vocab_size=384, z_loss=0.25)
+    for launch in (grad_from_exp, torch_backend.grad_from_exp):
+        out = e.clone()
+        row_factor = launch(out, target, lse, stats, terms=terms, grad_scale=0.5, row_scale=None)
+        got = row_factor.double()[:, None] * out.double()
+        for row in (0, 2):
+            want = torch.zeros(384, dtype=torch.float64)
+            if target[row] >= 0:
+                want[target[row]] = -0.5
+            assert torch.count_nonzero(got[row]) == torch.count_nonzero(want), (launch, row)
+            assert rel_err(got[row], want) <= 2**-7, (launch, row)  # (the target column rounded once to bf16)
