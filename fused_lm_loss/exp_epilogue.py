@@ -48,6 +48,11 @@ LOG2E = 1.0 / LN2
 # How far above a row's shared offset a tile's max may be before the tile takes its own (log2 units, kernels/exp_gemm.py):
 # E <= 2^64.5 and a row's sum <= V 2^64.5 stay far inside bf16 / fp32 range, also through the dX GEMM's sums
 HEADROOM = 64.0
+# The smallest |gradient scale| the path serves. A row's factor f (kernels/grad_from_exp.py) is at least 2^-82 s: K, the
+# row's offset, is within HEADROOM + 1/2 of its top tile's exponent, which is within log2 V (<= 18) of log2e lse. So f
+# stays a normal fp32 for |s| >= 2^-44; below it (no realistic loss weight) f would lose bits or flush to 0 and drop
+# the row's gradient: cuBLAS + row_stats serve instead
+MIN_GRAD_SCALE = 2.0**-44
 # the epilogue's column tiles, the widest that divides V: both run the pingpong schedule (<= 208 columns), which
 # beat the cooperative one in every measured case (Gemma-2-2B: 128 columns pingpong 0.92x cuBLAS + stats, 256
 # cooperative 1.00-1.02x; benchmarks/NOTES.md). Only the widths the GPU tests ran: another V keeps cuBLAS

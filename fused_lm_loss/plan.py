@@ -24,6 +24,7 @@ import torch
 
 from .backends import Backend
 from .distributed import Shard
+from .exp_epilogue import MIN_GRAD_SCALE
 from .exp_epilogue import bytes_per_row as exp_epilogue_bytes_per_row
 from .loss_terms import LossTerms
 from .options import LossOptions
@@ -183,7 +184,8 @@ def make_plan(
         needs.any() and epilogue_stats and not vocab_tiles and components == 1 and kept_logits is None
         and operands is not None and head.bias is None and shard.group is None and class_weight is None and not terms.smooths
         and not transform.has_softcap and transform.factor == 1.0 and logits_dtype == matmul_dtype
-        and not need_argmax and backend.supports_exp_epilogue(*operands)
+        and not need_argmax and (grad_scale == 0 or abs(grad_scale) >= MIN_GRAD_SCALE)
+        and backend.supports_exp_epilogue(*operands)
     )
 
     row_bytes = head.row_bytes(has_index, needs, grad_input_dtype)

@@ -115,6 +115,22 @@ def test_rows_whose_target_is_far_below_their_max(served, chunk_size):
     assert rel_err(dx, grads["hidden"]) < 4e-3 and rel_err(dw, grads["weight"]) < 4e-3
 
 
+@pytest.mark.parametrize("scaling", [2.0**-45, 2.0**-64])
+def test_a_gradient_scale_too_small_for_the_row_factor_keeps_cublas(served, scaling):
+    """Below exp_epilogue.MIN_GRAD_SCALE (``scaling`` / the mean's denominator) a row's factor f could leave fp32's
+    normal range and flush to 0, dropping the row's gradient, so the plan keeps the bf16-logits path there: the
+    gradients, formed times the scale and unscaled in backward, stay float64's."""
+    hidden, weight, labels, _ = make_inputs(21, 64, 640, dtype=torch.bfloat16, logit_std=4.0)
+    loss, dx, dw = run(hidden, weight, labels, scaling=scaling)
+    assert served.calls == 0
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want, grads = reference_loss(h64, w64, labels)
+    assert rel_err(loss, want) < 1e-2
+    assert rel_err(dx, grads["hidden"]) < 1e-2 and rel_err(dw, grads["weight"]) < 1e-2
+    run(hidden, weight, labels, scaling=exp_epilogue.MIN_GRAD_SCALE * int((labels != -100).sum()))
+    assert served.calls >= 1  # (at the bound it serves)
+
+
 def test_num_items_and_the_reported_z_loss(served):
     """What reads the epilogue's statistics besides the loss: the mean over num_items_in_batch and the z-loss term
     that return_z_loss reports, against float64."""
