@@ -24,9 +24,9 @@ session 14): G 10x closer to float64 (6.4e-4 against 6.4e-3), lse 3e-6 against 5
 
 The plan takes this path (``plan.exp_epilogue``) for a training step of the plain loss: no bias, softcap, logit
 scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16
-operands, a vocabulary that 192 or 128 divides, and not where the per-tile statistics (``bytes_per_row``) would split
-a batch that fits one chunk without them (a second chunk brings the wide dW accumulator: that cost Qwen2.5-7B 6%);
-everything else keeps cuBLAS + ``row_stats``. On CPU (tests) the same algorithm runs in PyTorch
+operands, a vocabulary that 192 or 128 divides, a gradient scale of at least ``MIN_GRAD_SCALE`` (or 0), and not where
+the per-tile statistics (``bytes_per_row``) would split a batch that fits one chunk without them (a second chunk
+brings the wide dW accumulator: that cost Qwen2.5-7B 6%); everything else keeps cuBLAS + ``row_stats``. On CPU (tests) the same algorithm runs in PyTorch
 (``exp_matmul_reference``).
 
 Buffers: E (chunk rows, V) bf16 in the logits chunk's place; k and s (chunk rows, V / tile_n) fp32 (k an integer
