@@ -26,8 +26,8 @@ The plan takes this path (``plan.exp_epilogue``) for a training step of the plai
 scale / temperature, label smoothing or class weights, no vocab-parallel shards, no LoRA term on the head, bf16
 operands, a vocabulary that 192 or 128 divides, a gradient scale of at least ``MIN_GRAD_SCALE`` (or 0), and not where
 the per-tile statistics (``bytes_per_row``) would split a batch that fits one chunk without them (a second chunk
-brings the wide dW accumulator: that cost Qwen2.5-7B 6%); everything else keeps cuBLAS + ``row_stats``. On CPU (tests) the same algorithm runs in PyTorch
-(``exp_matmul_reference``).
+brings the wide dW accumulator: that cost Qwen2.5-7B 6%); everything else keeps cuBLAS + ``row_stats``. On CPU
+(tests) the same algorithm runs in PyTorch (``exp_matmul_reference``).
 
 Buffers: E (chunk rows, V) bf16 in the logits chunk's place; k and s (chunk rows, V / tile_n) fp32 (k an integer
 exponent, fp32 as the epilogue writes it); c, the target logit and f (chunk rows,) fp32; f h (chunk rows, H) in the
